@@ -1,0 +1,43 @@
+//! Kernel benchmarks at the real shapes of Qwen2.5-0.5B, reported as bytes of
+//! weights streamed per second (what bounds decoding).
+//!
+//!     cargo bench -p ember-benches
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ember_kernels::{bf16, f16, matvec, matvec_with, Isa, MatRef, Weights};
+
+/// (rows, cols) of the model's matrices: q/o, k/v, gate/up, down, LM head.
+const SHAPES: [(usize, usize); 5] = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)];
+
+fn values(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 2654435761usize) % 1000) as f32 / 1000.0 - 0.5).collect()
+}
+
+fn bench_matvec(c: &mut Criterion) {
+    for (rows, cols) in SHAPES {
+        let w = values(rows * cols);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let x = values(cols);
+        let mut y = vec![0.0; rows];
+        let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
+        for (name, weights) in [("f32", Weights::F32(&w)), ("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
+            let m = MatRef::new(weights, rows, cols);
+            group.throughput(Throughput::Bytes(m.bytes() as u64));
+            group.bench_function(format!("{name} threaded"), |b| b.iter(|| matvec(m, &x, &mut y)));
+            for isa in Isa::supported() {
+                group.bench_function(format!("{name} {} 1 thread", isa.name()), |b| {
+                    b.iter(|| matvec_with(isa, m, &x, &mut y))
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
+    targets = bench_matvec
+}
+criterion_main!(benches);

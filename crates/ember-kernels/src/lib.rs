@@ -1,0 +1,29 @@
+//! # ember-kernels
+//!
+//! The arithmetic of a transformer decoder, written by hand for the CPU.
+//!
+//! Everything here works on plain slices: no model, no tokenizer, no I/O, and
+//! no allocation in the hot paths. The model crate owns buffers and shapes and
+//! calls these functions; this crate only knows how to multiply, normalise and
+//! rotate numbers quickly and correctly.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`isa`] | which instruction-set tier runs (detected once, `EMBER_ISA` overrides) |
+//! | [`dot`] | dot products of f32 activations with F32, BF16 and F16 weights |
+//! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows |
+//! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
+//! | [`attention`] | one query against a KV cache, grouped-query aware |
+//!
+//! Every SIMD kernel has a portable scalar twin with the same signature; tests
+//! pin each fast kernel to its twin under every tier the machine supports.
+
+pub mod attention;
+pub mod dot;
+pub mod isa;
+pub mod matvec;
+pub mod ops;
+
+pub use half::{bf16, f16};
+pub use isa::Isa;
+pub use matvec::{matvec, matvec_with, MatRef, Weights};

@@ -1,0 +1,353 @@
+//! A loaded model and text generation with streaming.
+
+use crate::config::{eos_ids, Config, GenerationConfig};
+use crate::error::{Error, Result};
+use crate::qwen2::{Qwen2, State};
+use crate::stream::TextStream;
+use crate::tokenizer::{Message, Tokenizer};
+use crate::weights::TensorStore;
+use ember_sample::{Sampler, SamplerConfig};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Context used when the caller does not choose one: enough for long chats,
+/// small enough that the KV cache stays modest (it grows only as used).
+pub const DEFAULT_CONTEXT: usize = 4096;
+
+/// A model folder, loaded: weights, tokenizer, chat template, generation defaults.
+pub struct Model {
+    pub qwen2: Qwen2,
+    pub tokenizer: Tokenizer,
+    pub generation_config: GenerationConfig,
+    eos: Vec<u32>,
+    dir: PathBuf,
+}
+
+impl Model {
+    /// Loads `config.json`, the safetensors weights (memory-mapped),
+    /// `tokenizer.json`, the chat template and `generation_config.json`.
+    pub fn load(dir: impl AsRef<Path>) -> Result<Model> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(Error::MissingModelDir(dir.to_path_buf()));
+        }
+        let qwen2 = load_qwen2(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
+        let eos = eos_ids(&qwen2.config, &generation_config);
+        Ok(Model { qwen2, tokenizer, generation_config, eos, dir: dir.to_path_buf() })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.qwen2.config
+    }
+
+    /// The folder the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The ids generation stops on.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Token ids of `text` (special tokens written in it are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text)
+    }
+
+    /// The prompt for a chat: the model's template applied to `messages`,
+    /// ending with the assistant's turn header.
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<String> {
+        self.tokenizer.apply_chat_template(messages, true)
+    }
+
+    /// A new conversation with room for `context` tokens (prompt and output).
+    pub fn session(&self, context: usize) -> Result<Session<'_>> {
+        let max = self.config().max_position_embeddings;
+        if context == 0 || context > max {
+            return Err(Error::Option(format!(
+                "context must be between 1 and the model's {max} tokens, not {context}"
+            )));
+        }
+        Ok(Session { model: self, state: self.qwen2.new_state(context), tokens: Vec::new(), pending: Vec::new() })
+    }
+}
+
+/// Loads just the decoder (config and weights) from a folder: no tokenizer.
+pub fn load_qwen2(dir: &Path) -> Result<Qwen2> {
+    if !dir.is_dir() {
+        return Err(Error::MissingModelDir(dir.to_path_buf()));
+    }
+    let config = Config::from_file(&dir.join("config.json"))?;
+    let store = TensorStore::open_dir(dir)?;
+    Qwen2::from_store(config, &store)
+}
+
+/// What to generate and when to stop.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// At most this many new tokens (the EOS token counts).
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Stop on the model's EOS ids.
+    pub stop_at_eos: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions { max_tokens: 256, sampler: SamplerConfig::greedy(), stop_at_eos: true }
+    }
+}
+
+/// A conversation: the KV cache and the tokens in it.
+pub struct Session<'m> {
+    model: &'m Model,
+    state: State,
+    /// Tokens whose keys and values are cached, in order.
+    tokens: Vec<u32>,
+    /// Tokens generated but not yet run through the model (the last sampled
+    /// token of a reply); they are prefilled before the next prompt.
+    pending: Vec<u32>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced one of its EOS ids.
+    Eos,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The context is full.
+    ContextFull,
+}
+
+/// Timings and counts of one `generate` call.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Tokens run through the model before the first new token.
+    pub prompt_tokens: usize,
+    pub prefill: Duration,
+    /// Forward passes after the first new token.
+    pub decode_tokens: usize,
+    pub decode: Duration,
+    /// New tokens produced (including an EOS).
+    pub generated: usize,
+    pub stop: Option<StopReason>,
+}
+
+impl Stats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        rate(self.decode_tokens, self.decode)
+    }
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    if n == 0 || d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+/// One generated token and the text it completed (UTF-8 safe; may be empty
+/// while a multi-token character is still incomplete).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+    pub is_eos: bool,
+}
+
+impl<'m> Session<'m> {
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Tokens in the context (cached and pending).
+    pub fn len(&self) -> usize {
+        self.tokens.len() + self.pending.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The context's capacity in tokens.
+    pub fn capacity(&self) -> usize {
+        self.state.capacity()
+    }
+
+    /// Tokens whose keys and values are cached.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Forgets the conversation.
+    pub fn reset(&mut self) {
+        self.state.cache.clear();
+        self.tokens.clear();
+        self.pending.clear();
+    }
+
+    /// Starts generating after `prompt`, which continues what the session
+    /// already holds. Tokens stream from the returned iterator.
+    pub fn generate<'s>(&'s mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
+        let vocab = self.model.config().vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { id, vocab });
+        }
+        let mut todo = std::mem::take(&mut self.pending);
+        todo.extend_from_slice(prompt);
+        if todo.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let total = self.tokens.len() + todo.len();
+        if total > self.capacity() {
+            // Nothing was run: keep the session as it was.
+            self.pending = todo[..todo.len() - prompt.len()].to_vec();
+            return Err(Error::PromptTooLong {
+                prompt: total,
+                context: self.capacity(),
+                max: self.model.config().max_position_embeddings,
+            });
+        }
+        let sampler = Sampler::new(options.sampler.clone())?;
+        let vocab_len = self.model.config().vocab_size;
+        Ok(Generation {
+            session: self,
+            sampler,
+            options,
+            todo,
+            logits: vec![0.0; vocab_len],
+            scratch: vec![0.0; vocab_len],
+            history: Vec::new(),
+            stream: TextStream::new(),
+            stats: Stats::default(),
+            done: false,
+        })
+    }
+
+    /// Runs `tokens` through the model; returns the logits after the last.
+    fn prefill(&mut self, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
+        for (i, &t) in tokens.iter().enumerate() {
+            let last = i + 1 == tokens.len();
+            let out = self.model.qwen2.forward(&mut self.state, t, last)?;
+            self.tokens.push(t);
+            if let Some(l) = out {
+                logits.copy_from_slice(l);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An in-progress generation: an iterator of [`Token`]s.
+pub struct Generation<'s, 'm> {
+    session: &'s mut Session<'m>,
+    sampler: Sampler,
+    options: GenerateOptions,
+    /// Tokens to run before sampling the next one.
+    todo: Vec<u32>,
+    /// Logits `(vocab,)` the latest token was sampled from, unmodified.
+    logits: Vec<f32>,
+    /// The sampler's working copy of the logits `(vocab,)`.
+    scratch: Vec<f32>,
+    /// Tokens of the session plus those generated, for penalties.
+    history: Vec<u32>,
+    stream: TextStream,
+    stats: Stats,
+    done: bool,
+}
+
+impl Generation<'_, '_> {
+    /// The logits `(vocab,)` the most recent token was drawn from (after the
+    /// first `next`, those at the prompt's last position).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Counts and timings so far.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    fn step(&mut self) -> Result<Option<Token>> {
+        if self.done {
+            return Ok(None);
+        }
+        if self.stats.generated >= self.options.max_tokens {
+            return Ok(self.stop(StopReason::MaxTokens));
+        }
+        let todo = std::mem::take(&mut self.todo);
+        if self.session.tokens.len() + todo.len() > self.session.capacity() {
+            self.session.pending = todo;
+            return Ok(self.stop(StopReason::ContextFull));
+        }
+        let start = Instant::now();
+        self.session.prefill(&todo, &mut self.logits)?;
+        if self.stats.generated == 0 {
+            self.stats.prompt_tokens = todo.len();
+            self.stats.prefill = start.elapsed();
+            self.history = self.session.tokens.clone();
+        } else {
+            self.stats.decode_tokens += todo.len();
+            self.stats.decode += start.elapsed();
+        }
+
+        self.scratch.copy_from_slice(&self.logits);
+        let id = self.sampler.sample(&mut self.scratch, &self.history);
+        self.history.push(id);
+        self.stats.generated += 1;
+        let model = self.session.model;
+        let is_eos = self.options.stop_at_eos && model.eos_token_ids().contains(&id);
+        let mut text = self.stream.push(&model.tokenizer, id)?;
+        self.todo = vec![id];
+        if is_eos {
+            text.push_str(&self.stream.finish(&model.tokenizer)?);
+            self.stop(StopReason::Eos);
+        } else if self.stats.generated >= self.options.max_tokens {
+            text.push_str(&self.stream.finish(&model.tokenizer)?);
+            self.stop(StopReason::MaxTokens);
+        }
+        Ok(Some(Token { id, text, is_eos }))
+    }
+
+    fn stop(&mut self, reason: StopReason) -> Option<Token> {
+        if !self.done {
+            self.done = true;
+            self.stats.stop = Some(reason);
+            self.session.pending = std::mem::take(&mut self.todo);
+        }
+        None
+    }
+}
+
+impl Iterator for Generation<'_, '_> {
+    type Item = Result<Token>;
+
+    fn next(&mut self) -> Option<Result<Token>> {
+        match self.step() {
+            Ok(Some(t)) => Some(Ok(t)),
+            Ok(None) => None,
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+impl Drop for Generation<'_, '_> {
+    fn drop(&mut self) {
+        // A generation dropped early (the caller stopped reading) still leaves
+        // its sampled-but-unrun token for the next turn.
+        if !self.done {
+            self.session.pending = std::mem::take(&mut self.todo);
+        }
+    }
+}

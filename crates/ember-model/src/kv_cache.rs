@@ -1,0 +1,95 @@
+//! The key/value cache: every past position's keys and values, per layer, so
+//! each new token attends to the past without recomputing it.
+
+/// Keys and values of up to `capacity` positions for each layer.
+///
+/// Buffers are allocated zeroed up front (the allocator hands back untouched
+/// pages, so memory is only committed as positions are written).
+pub struct KvCache {
+    /// `(layers, capacity, kv_dim)`
+    keys: Vec<f32>,
+    /// `(layers, capacity, kv_dim)`
+    values: Vec<f32>,
+    layers: usize,
+    capacity: usize,
+    kv_dim: usize,
+    /// Positions filled (the same for every layer between forward passes).
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(layers: usize, capacity: usize, kv_dim: usize) -> KvCache {
+        let n = layers * capacity * kv_dim;
+        KvCache { keys: vec![0.0; n], values: vec![0.0; n], layers, capacity, kv_dim, len: 0 }
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn span(&self, layer: usize, pos: usize) -> std::ops::Range<usize> {
+        assert!(layer < self.layers && pos < self.capacity);
+        let start = (layer * self.capacity + pos) * self.kv_dim;
+        start..start + self.kv_dim
+    }
+
+    /// Writes the key and value `(kv_dim,)` of position `pos` in `layer`.
+    pub fn store(&mut self, layer: usize, pos: usize, key: &[f32], value: &[f32]) {
+        let s = self.span(layer, pos);
+        self.keys[s.clone()].copy_from_slice(key);
+        self.values[s].copy_from_slice(value);
+    }
+
+    /// Keys and values `(len, kv_dim)` of positions `0..len` in `layer`.
+    pub fn layer(&self, layer: usize, len: usize) -> (&[f32], &[f32]) {
+        assert!(len <= self.capacity);
+        let start = layer * self.capacity * self.kv_dim;
+        let end = start + len * self.kv_dim;
+        (&self.keys[start..end], &self.values[start..end])
+    }
+
+    /// Marks one more position as filled in every layer.
+    pub fn advance(&mut self) {
+        assert!(self.len < self.capacity);
+        self.len += 1;
+    }
+
+    /// Forgets positions from `len` on (their memory is reused).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_and_positions_do_not_overlap() {
+        let mut c = KvCache::new(2, 3, 2);
+        c.store(0, 0, &[1.0, 2.0], &[3.0, 4.0]);
+        c.store(1, 0, &[5.0, 6.0], &[7.0, 8.0]);
+        c.advance();
+        c.store(0, 1, &[9.0, 10.0], &[11.0, 12.0]);
+        c.advance();
+        assert_eq!(c.layer(0, 2), (&[1.0, 2.0, 9.0, 10.0][..], &[3.0, 4.0, 11.0, 12.0][..]));
+        assert_eq!(c.layer(1, 1), (&[5.0, 6.0][..], &[7.0, 8.0][..]));
+        c.truncate(1);
+        assert_eq!(c.len(), 1);
+    }
+}

@@ -1,0 +1,76 @@
+//! ember's task runner (`cargo xtask <task>`): the build system glue that is
+//! not Rust compilation. See `cargo xtask help`.
+
+mod fetch;
+mod parity;
+mod test;
+
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+
+use std::process::ExitCode;
+
+const HELP: &str = "\
+cargo xtask <task> [options]
+
+tasks:
+  fetch [--force]           download the test model (Qwen2.5-Coder-0.5B-Instruct) into
+                            $EMBER_MODELS (default ~/.cache/ember-models) and print its folder
+  parity [--model DIR] [--reference FILE]
+                            greedy ids and top-10 logits against transformers' reference
+                            (default fixtures/reference/greedy.jsonl)
+  test                      the whole suite: fetch, `cargo test --workspace` under every
+                            instruction-set tier this CPU has, then parity
+  help                      this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (task, rest) = match args.split_first() {
+        Some((t, r)) => (t.as_str(), r),
+        None => ("help", &[][..]),
+    };
+    let result = match task {
+        "fetch" => fetch::run(rest),
+        "parity" => parity::run(rest),
+        "test" => test::run(rest),
+        "help" | "-h" | "--help" => {
+            print!("{HELP}");
+            Ok(())
+        }
+        other => Err(anyhow::anyhow!("unknown task `{other}`\n\n{HELP}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {task}: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Builds the release `ember` binary and returns its path.
+pub fn build_ember() -> anyhow::Result<PathBuf> {
+    let status =
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(root())
+            .args(["build", "--release", "--quiet", "-p", "ember-cli"])
+            .status()
+            .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build --release -p ember-cli failed");
+    }
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
+    Ok(target
+        .join("release")
+        .join(format!("ember{}", std::env::consts::EXE_SUFFIX)))
+}

@@ -1,0 +1,187 @@
+//! `cargo xtask parity`: the engine against transformers on the real model.
+//!
+//! For each line of a reference file (the format of
+//! `fixtures/reference/greedy.jsonl`, made by `scripts/reference_logits.py`),
+//! runs the release `ember` binary greedily and checks:
+//! 1. the prompt's token ids equal the reference's (for chat prompts listed in
+//!    a `prompts.json` beside the reference, the prompt goes through ember's
+//!    own chat template, so the template is checked too);
+//! 2. the greedy ids equal the reference up to the first step whose reference
+//!    top-1/top-2 margin is below [`MARGIN`] (past such a near-tie, a correct
+//!    engine may take the other branch);
+//! 3. the ten best logits at the prompt's last position are within
+//!    [`LOGIT_TOLERANCE`] of the reference.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Steps whose reference margin is below this are where comparison ends.
+const MARGIN: f64 = 0.02;
+/// Largest allowed |ember - transformers| of a top-10 logit.
+const LOGIT_TOLERANCE: f64 = 2e-3;
+
+#[derive(Deserialize)]
+struct Reference {
+    name: String,
+    #[serde(default)]
+    chat: bool,
+    prompt_text: String,
+    prompt_ids: Vec<u32>,
+    greedy_ids: Vec<u32>,
+    margins: Vec<f64>,
+    last_top10: Top,
+}
+
+#[derive(Deserialize)]
+struct Top {
+    ids: Vec<u32>,
+    logits: Vec<f64>,
+}
+
+/// A prompt as `prompts.json` lists it.
+#[derive(Deserialize)]
+struct Prompt {
+    name: String,
+    prompt: String,
+    #[serde(default)]
+    system: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct EmberOut {
+    prompt_ids: Vec<u32>,
+    ids: Vec<u32>,
+    top_logits: Top,
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    let root = crate::root();
+    let mut model = None;
+    let mut reference = root.join("fixtures/reference/greedy.jsonl");
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--model" => model = Some(PathBuf::from(it.next().context("--model needs a folder")?)),
+            "--reference" => reference = PathBuf::from(it.next().context("--reference needs a file")?),
+            other => {
+                bail!("unknown option `{other}` (parity takes --model DIR and --reference FILE)")
+            }
+        }
+    }
+    let model = model.unwrap_or_else(crate::fetch::model_dir);
+    if !model.join("config.json").is_file() {
+        bail!("no model in {} (run `cargo xtask fetch` first)", model.display());
+    }
+    let text = std::fs::read_to_string(&reference).with_context(|| format!("reading {}", reference.display()))?;
+    let refs: Vec<Reference> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}:{}", reference.display(), i + 1)))
+        .collect::<Result<_>>()?;
+    if refs.is_empty() {
+        bail!("{} holds no reference", reference.display());
+    }
+    let prompts = load_prompts(&reference)?;
+    let ember = crate::build_ember()?;
+
+    let (mut passed, mut failed) = (0, 0);
+    for r in &refs {
+        match check(&ember, &model, r, prompts.iter().find(|p| p.name == r.name)) {
+            Ok(summary) => {
+                passed += 1;
+                println!("ok    {:<14} {summary}", r.name);
+            }
+            Err(e) => {
+                failed += 1;
+                println!("FAIL  {:<14} {e:#}", r.name);
+            }
+        }
+    }
+    println!("parity: {passed} passed, {failed} failed");
+    if failed > 0 {
+        bail!("{failed} of {} prompts differ from transformers", refs.len());
+    }
+    Ok(())
+}
+
+/// `prompts.json` beside the reference file, if there is one.
+fn load_prompts(reference: &Path) -> Result<Vec<Prompt>> {
+    let path = reference.with_file_name("prompts.json");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text).with_context(|| format!("reading {}", path.display())),
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
+fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>) -> Result<String> {
+    let mut cmd = Command::new(ember);
+    cmd.arg("--model").arg(model);
+    cmd.args(["--temperature", "0", "--json", "--top-logits", "20", "--seed", "0"]);
+    cmd.args(["--max-tokens", &r.greedy_ids.len().max(1).to_string()]);
+    let via = match (r.chat, prompt) {
+        (true, Some(p)) => {
+            cmd.args(["--chat", "--prompt", &p.prompt]);
+            if let Some(s) = &p.system {
+                cmd.args(["--system", s]);
+            }
+            "chat template"
+        }
+        _ => {
+            cmd.args(["--prompt", &r.prompt_text]);
+            "raw text"
+        }
+    };
+    let out = cmd.output().with_context(|| format!("running {}", ember.display()))?;
+    if !out.status.success() {
+        bail!("ember failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let got: EmberOut = serde_json::from_slice(&out.stdout).context("reading ember's --json output")?;
+
+    if got.prompt_ids != r.prompt_ids {
+        bail!("prompt ids ({via}) differ:\n  ember        {:?}\n  transformers {:?}", got.prompt_ids, r.prompt_ids);
+    }
+
+    let mut worst: f64 = 0.0;
+    for (id, want) in r.last_top10.ids.iter().zip(&r.last_top10.logits) {
+        let Some(i) = got.top_logits.ids.iter().position(|g| g == id) else {
+            bail!("reference top-10 token {id} is not among ember's 20 best logits");
+        };
+        let diff = (got.top_logits.logits[i] - want).abs();
+        worst = worst.max(diff);
+        if diff > LOGIT_TOLERANCE {
+            bail!(
+                "logit of token {id}: ember {} vs transformers {want} (|diff| {diff:.2e} > {LOGIT_TOLERANCE:.0e})",
+                got.top_logits.logits[i]
+            );
+        }
+    }
+
+    // Compare up to (and including) the first near-tie step: at that step
+    // either branch is acceptable, so the comparison covers the steps before it.
+    let stop = r.margins.iter().position(|&m| m < MARGIN).unwrap_or(r.greedy_ids.len()).min(r.greedy_ids.len());
+    for step in 0..stop {
+        match got.ids.get(step) {
+            Some(g) if *g == r.greedy_ids[step] => {}
+            g => bail!(
+                "greedy token {step} differs: ember {g:?} vs transformers {} (margin {:.4})\n  ember        {:?}\n  transformers {:?}",
+                r.greedy_ids[step],
+                r.margins.get(step).copied().unwrap_or(f64::NAN),
+                got.ids,
+                r.greedy_ids
+            ),
+        }
+    }
+    let tail = if stop < r.greedy_ids.len() {
+        format!(" (stopped at a near-tie, margin {:.4})", r.margins[stop])
+    } else {
+        String::new()
+    };
+    Ok(format!(
+        "prompt {} ids ({via}) | greedy {stop}/{} equal{tail} | top-10 max |diff| {worst:.1e}",
+        r.prompt_ids.len(),
+        r.greedy_ids.len()
+    ))
+}

@@ -1,0 +1,34 @@
+//! `cargo xtask test`: everything CI runs, in order.
+//!
+//! 1. `cargo xtask fetch` (idempotent: only checksums on a warm cache);
+//! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
+//!    (`EMBER_ISA=scalar`, then the best tier), so every SIMD kernel and the
+//!    whole model run under each;
+//! 3. `cargo xtask parity` on the real model.
+
+use anyhow::{bail, Context, Result};
+use std::process::Command;
+
+/// Tiers as `EMBER_ISA` names them; the kernels skip tiers the CPU lacks.
+const TIERS: [&str; 2] = ["scalar", "avx2"];
+
+pub fn run(args: &[String]) -> Result<()> {
+    if let Some(a) = args.first() {
+        bail!("unknown option `{a}` (test takes none)");
+    }
+    crate::fetch::run(&[])?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for tier in TIERS {
+        eprintln!("xtask test: cargo test --workspace with EMBER_ISA={tier}");
+        let status = Command::new(&cargo)
+            .current_dir(crate::root())
+            .args(["test", "--workspace"])
+            .env("EMBER_ISA", tier)
+            .status()
+            .context("running cargo test")?;
+        if !status.success() {
+            bail!("cargo test --workspace failed with EMBER_ISA={tier}");
+        }
+    }
+    crate::parity::run(&[])
+}
