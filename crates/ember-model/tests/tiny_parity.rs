@@ -1,0 +1,109 @@
+//! Logit parity with transformers on tiny random Qwen2 models (tied BF16,
+//! untied sharded F32, F16), at every position of a sequence.
+
+mod common;
+
+use common::{reference, tiny_model};
+use ember_model::{load_qwen2, GenerateOptions, Model, SamplerConfig};
+
+const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
+/// Largest allowed |ember - transformers| of any logit.
+const TOLERANCE: f32 = 1e-4;
+
+#[test]
+fn logits_match_transformers_at_every_position() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let model = load_qwen2(&common::fixtures().join(variant)).unwrap();
+        let mut state = model.new_state(64);
+        let mut worst = 0.0f32;
+        for (pos, (&id, want)) in r.ids.iter().zip(&r.logits).enumerate() {
+            let got = model.forward(&mut state, id, true).unwrap().unwrap();
+            assert_eq!(got.len(), want.len());
+            for (v, (a, b)) in got.iter().zip(want).enumerate() {
+                let d = (a - b).abs();
+                worst = worst.max(d);
+                assert!(d <= TOLERANCE, "{variant} position {pos} token {v}: ember {a} vs transformers {b}");
+            }
+        }
+        eprintln!("{variant}: max |diff| {worst:.2e}");
+    }
+}
+
+#[test]
+fn greedy_generation_matches_transformers() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let dir = tiny_model(variant);
+        let model = Model::load(dir.path()).unwrap();
+        let mut session = model.session(64).unwrap();
+        let options =
+            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false };
+        let ids: Vec<u32> = session.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
+        assert_eq!(ids, r.greedy_ids, "{variant}");
+    }
+}
+
+#[test]
+fn a_session_continues_where_it_left_off() {
+    // Two generate calls on one session equal one call over the joined tokens:
+    // the cache is reused, and the last sampled token is run before the new prompt.
+    let r = reference("tiny-tied");
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false };
+
+    let mut s = model.session(128).unwrap();
+    let first: Vec<u32> = s.generate(&r.ids[..10], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
+    let mut g = s.generate(&r.ids[10..], greedy(4)).unwrap();
+    let second: Vec<u32> = (&mut g).map(|t| t.unwrap().id).collect();
+    assert_eq!(g.stats().prompt_tokens, 1 + r.ids.len() - 10, "only new tokens are prefilled");
+    drop(g);
+
+    let mut joined: Vec<u32> = r.ids[..10].to_vec();
+    joined.extend(&first);
+    joined.extend(&r.ids[10..]);
+    let mut fresh = model.session(128).unwrap();
+    let again: Vec<u32> = fresh.generate(&joined, greedy(4)).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(second, again);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    let run = |seed| {
+        let sampler = SamplerConfig { temperature: 0.9, top_k: 40, top_p: 0.95, seed, ..Default::default() };
+        let options = GenerateOptions { max_tokens: 24, sampler, stop_at_eos: false };
+        let mut s = model.session(64).unwrap();
+        s.generate(&[17, 42, 5], options).unwrap().map(|t| t.unwrap().id).collect::<Vec<u32>>()
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8), "different seeds should give different draws");
+}
+
+#[test]
+fn stops_on_eos_from_generation_config() {
+    // tiny-tied's generation_config.json lists [1, 2]; config.json says 2.
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    assert_eq!(model.eos_token_ids(), &[1, 2]);
+    // tiny-untied has no generation_config.json: config.json's id is used.
+    let dir = tiny_model("tiny-untied");
+    assert_eq!(Model::load(dir.path()).unwrap().eos_token_ids(), &[3]);
+}
+
+#[test]
+fn generation_ends_when_the_context_is_full() {
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    let mut s = model.session(8).unwrap();
+    let options = GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false };
+    let mut g = s.generate(&[17, 42, 5], options).unwrap();
+    let tokens: Vec<_> = (&mut g).collect::<Result<_, _>>().unwrap();
+    let n = tokens.len();
+    // 3 prompt tokens + 5 generated fill 8 positions; the 6th token is sampled
+    // from the last position's logits and cannot be run.
+    assert_eq!(n, 6);
+    assert_eq!(g.stats().stop, Some(ember_model::StopReason::ContextFull));
+}
