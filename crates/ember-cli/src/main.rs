@@ -3,80 +3,47 @@
 //! ```text
 //! ember --prompt "The capital of France is" --temperature 0 --max-tokens 16
 //! ember --chat --prompt "Write a haiku about Rust."
+//! ember bench -p 128,512 -n 64 -r 3 -t 2
 //! ```
 //!
 //! Text streams to stdout as it is generated; timings go to stderr.
 
+mod bench;
+mod generate;
+
 use anyhow::{bail, Context, Result};
-use clap::Parser;
-use ember_model::{GenerateOptions, Message, Model, SamplerConfig, StopReason, DEFAULT_CONTEXT};
-use std::io::Write;
+use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(name = "ember", version, about = "Run a Qwen2 language model on the CPU.")]
-struct Args {
-    /// The prompt: raw text, or the user's message with --chat.
-    #[arg(short, long)]
-    prompt: String,
+#[command(
+    name = "ember",
+    version,
+    about = "Run a Qwen2 language model on the CPU.",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    generate: generate::Args,
+}
 
-    /// Wrap the prompt in the model's chat template (as a user message).
-    #[arg(long)]
-    chat: bool,
-
-    /// System message for --chat (default: the template's own default).
-    #[arg(long, requires = "chat")]
-    system: Option<String>,
-
-    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-
-    /// Maximum new tokens.
-    #[arg(short = 'n', long, default_value_t = 256)]
-    max_tokens: usize,
-
-    /// Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 1.0.
-    #[arg(long)]
-    temperature: Option<f32>,
-
-    /// Keep only the K most likely tokens (0 = off). Default: generation_config.json.
-    #[arg(long)]
-    top_k: Option<usize>,
-
-    /// Keep the smallest set of tokens whose probability reaches P (1 = off). Default: generation_config.json.
-    #[arg(long)]
-    top_p: Option<f32>,
-
-    /// Divide positive logits of recent tokens by this (1 = off). Default: generation_config.json.
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-
-    /// Random seed for sampling (default: from the clock; printed with the stats).
-    #[arg(long)]
-    seed: Option<u64>,
-
-    /// Context size in tokens (prompt + output).
-    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
-    ctx: usize,
-
-    /// Worker threads (default: the number of CPU cores).
-    #[arg(short, long)]
-    threads: Option<usize>,
-
-    /// Print one JSON object instead of streaming text.
-    #[arg(long)]
-    json: bool,
-
-    /// With --json, also report the N highest logits at the prompt's last position.
-    #[arg(long, value_name = "N", requires = "json")]
-    top_logits: Option<usize>,
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Measure prompt processing and generation speed (like llama-bench).
+    Bench(bench::Args),
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(args) {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Bench(args)) => bench::run(args),
+        None => generate::run(cli.generate),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -85,7 +52,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
+/// The model folder: `--model`, else the folder `cargo xtask fetch` fills.
+pub(crate) fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
     match arg {
         Some(dir) => Ok(dir),
         None => {
@@ -99,154 +67,13 @@ fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-fn init_threads(threads: Option<usize>) -> Result<usize> {
+/// Starts the kernels' thread pool with `threads` (default: every CPU).
+pub(crate) fn init_threads(threads: Option<usize>) -> Result<usize> {
     let n = match threads {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("starting the thread pool")?;
+    ember_kernels::pool::init_global(n);
     Ok(n)
-}
-
-fn sampler_config(args: &Args, model: &Model) -> SamplerConfig {
-    let g = &model.generation_config;
-    // generation_config.json's values apply only when it samples at all.
-    let sampling = g.do_sample.unwrap_or(true);
-    let mut c = SamplerConfig::default();
-    if sampling {
-        c.temperature = g.temperature.unwrap_or(c.temperature);
-        c.top_k = g.top_k.unwrap_or(c.top_k);
-        c.top_p = g.top_p.unwrap_or(c.top_p);
-        c.min_p = g.min_p.unwrap_or(c.min_p);
-    } else {
-        c.temperature = 0.0;
-    }
-    c.repetition_penalty = g.repetition_penalty.unwrap_or(c.repetition_penalty);
-    if let Some(t) = args.temperature {
-        c.temperature = t;
-    }
-    if let Some(k) = args.top_k {
-        c.top_k = k;
-    }
-    if let Some(p) = args.top_p {
-        c.top_p = p;
-    }
-    // `--temperature 0` is plain greedy decoding, as transformers'
-    // `do_sample=False` reference: the model's default penalty applies only
-    // when sampling, or when asked for explicitly.
-    if c.temperature == 0.0 {
-        c.repetition_penalty = 1.0;
-    }
-    if let Some(r) = args.repetition_penalty {
-        c.repetition_penalty = r;
-    }
-    c.seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-    });
-    c
-}
-
-#[derive(serde::Serialize)]
-struct JsonOut {
-    prompt_ids: Vec<u32>,
-    ids: Vec<u32>,
-    text: String,
-    prefill_tok_s: f64,
-    decode_tok_s: f64,
-    stop: &'static str,
-    seed: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    top_logits: Option<TopLogits>,
-}
-
-#[derive(serde::Serialize)]
-struct TopLogits {
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-}
-
-fn top_n(logits: &[f32], n: usize) -> TopLogits {
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
-    idx.truncate(n);
-    TopLogits { logits: idx.iter().map(|&i| logits[i as usize]).collect(), ids: idx }
-}
-
-fn run(args: Args) -> Result<()> {
-    let threads = init_threads(args.threads)?;
-    let dir = model_dir(args.model.clone())?;
-    let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-
-    let prompt = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(s) = &args.system {
-            messages.push(Message::system(s.clone()));
-        }
-        messages.push(Message::user(args.prompt.clone()));
-        model.chat_prompt(&messages)?
-    } else {
-        args.prompt.clone()
-    };
-    let prompt_ids = model.encode(&prompt)?;
-    let sampler = sampler_config(&args, &model);
-    let seed = sampler.seed;
-    let options = GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true };
-    let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
-    let mut generation = session.generate(&prompt_ids, options)?;
-
-    let mut ids = Vec::new();
-    let mut text = String::new();
-    let mut top_logits = None;
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    while let Some(token) = generation.next() {
-        let token = token?;
-        if ids.is_empty() {
-            top_logits = args.top_logits.map(|n| top_n(generation.logits(), n));
-        }
-        ids.push(token.id);
-        if args.json {
-            text.push_str(&token.text);
-        } else {
-            out.write_all(token.text.as_bytes())?;
-            out.flush()?;
-        }
-    }
-    let stats = generation.stats().clone();
-    drop(generation);
-    let stop = match stats.stop {
-        Some(StopReason::Eos) => "eos",
-        Some(StopReason::MaxTokens) => "max_tokens",
-        Some(StopReason::ContextFull) => "context_full",
-        None => "none",
-    };
-    if args.json {
-        let json = JsonOut {
-            prompt_ids,
-            ids,
-            text,
-            prefill_tok_s: stats.prefill_tok_s(),
-            decode_tok_s: stats.decode_tok_s(),
-            stop,
-            seed,
-            top_logits,
-        };
-        serde_json::to_writer(&mut out, &json)?;
-        writeln!(out)?;
-    } else {
-        writeln!(out)?;
-        if stats.stop == Some(StopReason::ContextFull) {
-            eprintln!("note: stopped because the context of {} tokens is full (raise --ctx)", session.capacity());
-        }
-        eprintln!(
-            "prefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads, seed {seed}, stop: {stop}",
-            stats.prompt_tokens,
-            stats.prefill_tok_s(),
-            stats.decode_tokens,
-            stats.decode_tok_s(),
-            threads,
-        );
-    }
-    Ok(())
 }

@@ -3,7 +3,7 @@
 //! Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
 //! heads, query head `h` reading KV head `h / (n_heads / n_kv_heads)`.
 
-use crate::dot::dot_f32;
+use crate::dot::{axpy, dot_f32};
 use crate::isa::Isa;
 use crate::ops::softmax;
 
@@ -37,28 +37,45 @@ pub fn attend(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    assert_eq!(out.len(), shape.n_heads * shape.head_dim);
+    attend_heads(isa, shape, 0..shape.n_heads, q, keys, values, scores, out);
+}
+
+/// [`attend`] for query heads `heads` only, so threads can split the heads.
+/// `out (heads.len() * head_dim,)` receives those heads' outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads(
+    isa: Isa,
+    shape: AttnShape,
+    heads: std::ops::Range<usize>,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
     let kv_dim = shape.kv_dim();
     let len = keys.len() / kv_dim;
+    assert!(heads.end <= n_heads);
     assert_eq!(q.len(), n_heads * hd);
-    assert_eq!(out.len(), n_heads * hd);
+    assert_eq!(out.len(), heads.len() * hd);
     assert!(keys.len() == len * kv_dim && values.len() == len * kv_dim, "keys and values are (len, kv_dim)");
     assert!(len > 0 && scores.len() >= len);
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let scores = &mut scores[..len];
-    for h in 0..n_heads {
+    for (i, h) in heads.enumerate() {
         let kv = (h / group) * hd;
         let qh = &q[h * hd..(h + 1) * hd];
         for (t, s) in scores.iter_mut().enumerate() {
             *s = dot_f32(isa, qh, &keys[t * kv_dim + kv..t * kv_dim + kv + hd]) * scale;
         }
         softmax(scores);
-        let oh = &mut out[h * hd..(h + 1) * hd];
+        let oh = &mut out[i * hd..(i + 1) * hd];
         oh.fill(0.0);
         for (t, &p) in scores.iter().enumerate() {
-            let vrow = &values[t * kv_dim + kv..t * kv_dim + kv + hd];
-            oh.iter_mut().zip(vrow).for_each(|(o, v)| *o += p * v);
+            axpy(isa, p, &values[t * kv_dim + kv..t * kv_dim + kv + hd], oh);
         }
     }
 }
@@ -105,6 +122,12 @@ mod tests {
                 for (a, b) in out.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-5, "{isa:?} len={len}: {a} vs {b}");
                 }
+                // Split by heads, the same numbers.
+                let mut split = vec![0.0; q.len()];
+                let (lo, hi) = split.split_at_mut(4 * 16);
+                attend_heads(isa, shape, 0..4, &q, &k, &v, &mut scores, lo);
+                attend_heads(isa, shape, 4..6, &q, &k, &v, &mut scores, hi);
+                assert_eq!(split, out);
             }
         }
     }

@@ -11,19 +11,24 @@
 //! |---|---|
 //! | [`isa`] | which instruction-set tier runs (detected once, `EMBER_ISA` overrides) |
 //! | [`dot`] | dot products of f32 activations with F32, BF16 and F16 weights |
-//! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows |
+//! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows; fused q/k/v and gate/up forms |
+//! | [`pool`] | the persistent thread pool of the token loop |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
 //! | [`attention`] | one query against a KV cache, grouped-query aware |
+//! | [`bandwidth`] | a memory-read probe: the ceiling mat-vec is measured against |
 //!
 //! Every SIMD kernel has a portable scalar twin with the same signature; tests
 //! pin each fast kernel to its twin under every tier the machine supports.
 
 pub mod attention;
+pub mod bandwidth;
 pub mod dot;
 pub mod isa;
 pub mod matvec;
 pub mod ops;
+pub mod pool;
 
 pub use half::{bf16, f16};
 pub use isa::Isa;
-pub use matvec::{matvec, matvec_with, MatRef, Weights};
+pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs, MatRef, Weights};
+pub use pool::ThreadPool;

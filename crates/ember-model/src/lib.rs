@@ -25,6 +25,7 @@
 //! # }
 //! ```
 
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod generate;

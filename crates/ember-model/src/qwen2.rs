@@ -18,9 +18,14 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::weights::{Tensor, TensorStore};
-use ember_kernels::attention::{attend, AttnShape};
-use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, silu_mul, Rope};
-use ember_kernels::{matvec, Isa};
+use ember_kernels::attention::{attend_heads, AttnShape};
+use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
+use ember_kernels::pool::{self, SharedMut};
+use ember_kernels::{matvec, matvec_swiglu, matvecs, Isa};
+
+/// Below this many cached positions attention stays on one thread: it is a
+/// few microseconds, less than a wake-up of the pool.
+const PARALLEL_ATTENTION_MIN_LEN: usize = 128;
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {
@@ -42,6 +47,10 @@ impl Linear {
     /// `y (out,) = W x (in,) + b`.
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
         matvec(self.weight.matrix(), x, y);
+        self.add_bias(y);
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
             add_bias(y, b);
         }
@@ -119,9 +128,8 @@ impl Qwen2 {
             k: vec![0.0; c.kv_dim()],
             v: vec![0.0; c.kv_dim()],
             att: vec![0.0; c.q_dim()],
-            gate: vec![0.0; c.intermediate_size],
-            up: vec![0.0; c.intermediate_size],
-            scores: vec![0.0; context],
+            ffn: vec![0.0; c.intermediate_size],
+            scores: vec![0.0; c.num_attention_heads * context],
             cos: vec![0.0; c.head_dim / 2],
             sin: vec![0.0; c.head_dim / 2],
             logits: vec![0.0; c.vocab_size],
@@ -152,6 +160,7 @@ impl Qwen2 {
             return Err(Error::ContextFull { context: state.cache.capacity() });
         }
         let isa = Isa::active();
+        let pool = pool::global();
         let shape =
             AttnShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
         let eps = c.rms_norm_eps;
@@ -162,23 +171,31 @@ impl Qwen2 {
         for (li, layer) in self.layers.iter().enumerate() {
             // Attention block.
             rmsnorm(&s.x, &layer.input_layernorm, eps, &mut s.h);
-            layer.q_proj.forward(&s.h, &mut s.q);
-            layer.k_proj.forward(&s.h, &mut s.k);
-            layer.v_proj.forward(&s.h, &mut s.v);
+            // q, k and v read the same input: one parallel pass.
+            matvecs(
+                pool,
+                &s.h,
+                [
+                    (layer.q_proj.weight.matrix(), &mut s.q[..]),
+                    (layer.k_proj.weight.matrix(), &mut s.k[..]),
+                    (layer.v_proj.weight.matrix(), &mut s.v[..]),
+                ],
+            );
+            layer.q_proj.add_bias(&mut s.q);
+            layer.k_proj.add_bias(&mut s.k);
+            layer.v_proj.add_bias(&mut s.v);
             rope_rotate_half(&mut s.q, c.head_dim, &s.cos, &s.sin);
             rope_rotate_half(&mut s.k, c.head_dim, &s.cos, &s.sin);
             s.cache.store(li, pos, &s.k, &s.v);
             let (keys, values) = s.cache.layer(li, pos + 1);
-            attend(isa, shape, &s.q, keys, values, &mut s.scores, &mut s.att);
+            attention(isa, shape, &s.q, keys, values, &mut s.scores, &mut s.att);
             layer.o_proj.forward(&s.att, &mut s.h);
             add_assign(&mut s.x, &s.h);
 
-            // MLP block (SwiGLU).
+            // MLP block: SwiGLU, gate and up in one pass.
             rmsnorm(&s.x, &layer.post_attention_layernorm, eps, &mut s.h);
-            layer.gate_proj.forward(&s.h, &mut s.gate);
-            layer.up_proj.forward(&s.h, &mut s.up);
-            silu_mul(&mut s.gate, &s.up);
-            layer.down_proj.forward(&s.gate, &mut s.h);
+            matvec_swiglu(pool, layer.gate_proj.weight.matrix(), layer.up_proj.weight.matrix(), &s.h, &mut s.ffn);
+            layer.down_proj.forward(&s.ffn, &mut s.h);
             add_assign(&mut s.x, &s.h);
         }
         s.cache.advance();
@@ -188,6 +205,30 @@ impl Qwen2 {
         rmsnorm(&s.x, &self.norm, eps, &mut s.h);
         matvec(self.lm_head.matrix(), &s.h, &mut s.logits);
         Ok(Some(&s.logits))
+    }
+}
+
+/// Attention of one query over the cached positions, heads split across the
+/// pool when the context is long enough to pay for it.
+/// `q`, `out (heads * head_dim,)`, `keys`, `values (len, kv_dim)`, `scores (heads, context)`.
+fn attention(isa: Isa, shape: AttnShape, q: &[f32], keys: &[f32], values: &[f32], scores: &mut [f32], out: &mut [f32]) {
+    let len = keys.len() / shape.kv_dim();
+    let context = scores.len() / shape.n_heads;
+    let pool = pool::global();
+    let threads = if len < PARALLEL_ATTENTION_MIN_LEN { 1 } else { pool.threads().min(shape.n_heads) };
+    let hd = shape.head_dim;
+    let (out, scores) = (SharedMut::new(out), SharedMut::new(scores));
+    let work = |t: usize, n: usize| {
+        let (a, b) = pool::share(shape.n_heads, t, n, 1);
+        if a < b {
+            // SAFETY: threads take disjoint head ranges of `out` and `scores`.
+            let (o, s) = unsafe { (out.range(a * hd, b * hd), scores.range(a * context, (a + 1) * context)) };
+            attend_heads(isa, shape, a..b, q, keys, values, s, o);
+        }
+    };
+    match threads {
+        1 => work(0, 1),
+        _ => pool.run(work),
     }
 }
 
@@ -206,10 +247,9 @@ pub struct State {
     v: Vec<f32>,
     /// Attention output `(heads * head_dim,)`.
     att: Vec<f32>,
-    /// `(intermediate,)`
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    /// Attention weights of one head `(context,)`.
+    /// `silu(gate) * up`, `(intermediate,)`.
+    ffn: Vec<f32>,
+    /// Attention weights, one row per head `(heads, context)`.
     scores: Vec<f32>,
     /// RoPE tables of the current position `(head_dim / 2,)`.
     cos: Vec<f32>,

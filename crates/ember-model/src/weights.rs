@@ -79,7 +79,8 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    fn bytes(&self) -> &[u8] {
+    /// The raw stored bytes.
+    pub fn as_bytes(&self) -> &[u8] {
         &self.storage.bytes()[self.start..self.start + self.len]
     }
 
@@ -89,7 +90,7 @@ impl Tensor {
 
     /// The data as kernel weights, borrowed (no copy).
     pub fn weights(&self) -> Weights<'_> {
-        let b = self.bytes();
+        let b = self.as_bytes();
         // Alignment was checked (or fixed by copying) when the file was opened.
         match self.dtype {
             DType::F32 => Weights::F32(bytemuck::cast_slice::<u8, f32>(b)),

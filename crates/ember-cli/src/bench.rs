@@ -1,0 +1,167 @@
+//! `ember bench`: llama-bench's counterpart. Prompt processing (`ppN`) and
+//! generation (`tgN`) speed as mean ± sd over repetitions, timed around the
+//! forward passes only, plus the weight bytes each decoded token streams and
+//! the memory read bandwidth measured over the same weights in the same run.
+
+use crate::{init_threads, model_dir};
+use anyhow::{bail, Context, Result};
+use ember_model::bench;
+use std::path::PathBuf;
+use std::process::Command;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+
+    /// Prompt lengths to measure, comma-separated (0 = none).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    prompt: Vec<usize>,
+
+    /// Generation lengths to measure, comma-separated (0 = none).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    generate: Vec<usize>,
+
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    repetitions: usize,
+
+    /// Thread counts, comma-separated (default: the number of CPU cores).
+    #[arg(short = 't', long, value_delimiter = ',')]
+    threads: Vec<usize>,
+
+    /// Print one JSON array, an object per test.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct Row {
+    test: String,
+    threads: usize,
+    tok_s: f64,
+    sd: f64,
+    /// For tgN: weight bytes streamed per second while generating.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    gb_s: Option<f64>,
+    /// For tgN: the machine's read bandwidth over the same weights, same run.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    read_gb_s: Option<f64>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    if args.threads.contains(&0) {
+        bail!("--threads must be at least 1");
+    }
+    let dir = model_dir(args.model.clone())?;
+    // The pool's size is fixed per process: several thread counts run as
+    // child processes, one each.
+    if args.threads.len() > 1 {
+        let mut rows = Vec::new();
+        for &t in &args.threads {
+            rows.extend(child(&args, &dir, t)?);
+        }
+        return print(&args, &dir, &rows, None);
+    }
+    let threads = init_threads(args.threads.first().copied())?;
+    let model = ember_model::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let bytes_per_token = model.weight_bytes_per_token();
+
+    // Warm-up: fault the mapped weights in and wake the pool.
+    bench::generation(&model, 2)?;
+
+    let mut rows = Vec::new();
+    for &n in args.prompt.iter().filter(|&&n| n > 0) {
+        let rates =
+            measure(args.repetitions, || bench::prompt_processing(&model, n).map(|d| n as f64 / d.as_secs_f64()))?;
+        rows.push(row(format!("pp{n}"), threads, &rates));
+    }
+    for &n in args.generate.iter().filter(|&&n| n > 0) {
+        let rates = measure(args.repetitions, || bench::generation(&model, n).map(|d| n as f64 / d.as_secs_f64()))?;
+        let reads = measure(args.repetitions, || {
+            let (bytes, d) = bench::weight_read(&model);
+            Ok(bytes as f64 / d.as_secs_f64() / 1e9)
+        })?;
+        let mut r = row(format!("tg{n}"), threads, &rates);
+        r.gb_s = Some(r.tok_s * bytes_per_token as f64 / 1e9);
+        r.read_gb_s = Some(median(&reads));
+        rows.push(r);
+    }
+    print(&args, &dir, &rows, Some(bytes_per_token))
+}
+
+/// Runs `ember bench` for one thread count in a child process.
+fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>> {
+    let join = |v: &[usize]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",");
+    let exe = std::env::current_exe().context("finding the ember executable")?;
+    let out = Command::new(exe)
+        .arg("bench")
+        .arg("--model")
+        .arg(dir)
+        .args(["-p", &join(&args.prompt), "-n", &join(&args.generate)])
+        .args(["-r", &args.repetitions.to_string(), "-t", &threads.to_string(), "--json"])
+        .output()
+        .context("running a benchmark child process")?;
+    if !out.status.success() {
+        bail!("benchmark with {threads} threads failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    serde_json::from_slice(&out.stdout).context("reading the child's JSON")
+}
+
+fn measure(reps: usize, mut f: impl FnMut() -> ember_model::Result<f64>) -> Result<Vec<f64>> {
+    (0..reps).map(|_| f().map_err(Into::into)).collect()
+}
+
+fn row(test: String, threads: usize, rates: &[f64]) -> Row {
+    let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+    let var = if rates.len() > 1 {
+        rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (rates.len() - 1) as f64
+    } else {
+        0.0
+    };
+    Row { test, threads, tok_s: mean, sd: var.sqrt(), gb_s: None, read_gb_s: None }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Option<usize>) -> Result<()> {
+    if args.json {
+        println!("{}", serde_json::to_string(rows)?);
+        return Ok(());
+    }
+    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    println!("model: {name}");
+    if let Some(b) = bytes_per_token {
+        println!("weights streamed per decoded token: {:.3} GB", b as f64 / 1e9);
+    }
+    println!(
+        "| {:<8} | {:>7} | {:>16} | {:>14} | {:>16} |",
+        "test", "threads", "t/s", "weights GB/s", "read GB/s (same run)"
+    );
+    println!("| {:-<8} | {:->7} | {:->16} | {:->14} | {:->20} |", "", "", "", "", "");
+    for r in rows {
+        let gb = r.gb_s.map_or(String::new(), |g| format!("{g:.1}"));
+        let read = r.read_gb_s.map_or(String::new(), |g| format!("{g:.1}"));
+        let pct = match (r.gb_s, r.read_gb_s) {
+            (Some(g), Some(c)) if c > 0.0 => format!(" ({:.0}% of read)", 100.0 * g / c),
+            _ => String::new(),
+        };
+        println!(
+            "| {:<8} | {:>7} | {:>16} | {:>14} | {:>20} |",
+            r.test,
+            r.threads,
+            format!("{:.2} ± {:.2}", r.tok_s, r.sd),
+            gb + &pct,
+            read
+        );
+    }
+    Ok(())
+}

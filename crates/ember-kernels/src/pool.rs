@@ -1,0 +1,304 @@
+//! A persistent thread pool for the token loop.
+//!
+//! A decoded token is about a hundred short parallel sections (one per fused
+//! mat-vec), each a few hundred microseconds. What matters is how fast idle
+//! workers start on the next one, so workers spin on an epoch counter for a
+//! while before sleeping, and every section runs the same closure on every
+//! thread (`f(thread, n_threads)`, like an OpenMP parallel region): each thread
+//! derives its own share of rows, with no queue and no allocation per call.
+//! The calling thread is thread 0 and does its share too.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+/// Spins before a worker sleeps: long enough to bridge the gap between two
+/// mat-vecs of one token (tens of microseconds of norms and RoPE), short
+/// enough not to burn a core while the caller samples or waits for input.
+const SPIN_ITERATIONS: u32 = 1 << 17;
+
+/// Spinning threads yield the CPU this often, so an oversubscribed machine
+/// still makes progress.
+const YIELD_EVERY: u32 = 1 << 10;
+
+type Job = dyn Fn(usize, usize) + Sync;
+
+struct Shared {
+    /// Bumped once per parallel section; workers run the job when it changes.
+    epoch: AtomicUsize,
+    /// The current section's closure. Written by the caller before bumping
+    /// `epoch`, read by workers after seeing the new epoch.
+    job: UnsafeCell<Option<*const Job>>,
+    /// Workers that have not finished the current section.
+    remaining: AtomicUsize,
+    /// Workers asleep on `wake`.
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    /// A worker's closure panicked during the current section.
+    panicked: AtomicBool,
+}
+
+// SAFETY: `job` is written only by the thread inside `run` while no worker is
+// reading it (all finished the previous section), and read by workers only
+// between the epoch bump and their `remaining` decrement, while `run` waits.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+/// A fixed set of worker threads that run parallel sections.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    threads: usize,
+    /// Serialises callers: one parallel section at a time.
+    running: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool of `threads` threads in all (the caller plus `threads - 1` workers).
+    pub fn new(threads: usize) -> ThreadPool {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            remaining: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+        });
+        let workers = (1..threads)
+            .map(|index| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("ember-worker-{index}"))
+                    .spawn(move || worker(&shared, index, threads))
+                    .expect("spawning a worker thread")
+            })
+            .collect();
+        ThreadPool { shared, workers, threads, running: Mutex::new(()) }
+    }
+
+    /// Threads in the pool, the caller included.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f(thread, threads)` once on every thread of the pool and returns
+    /// when all have finished. Panics if any of them panicked.
+    pub fn run<F: Fn(usize, usize) + Sync>(&self, f: F) {
+        if self.threads == 1 {
+            return f(0, 1);
+        }
+        let _guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        let job: &(dyn Fn(usize, usize) + Sync + '_) = &f;
+        // SAFETY: erase the closure's lifetime; this function does not return
+        // until every worker has finished with it (`remaining` reaches 0).
+        let job: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job) };
+        unsafe { *s.job.get() = Some(job) };
+        s.remaining.store(self.threads - 1, Ordering::SeqCst);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.threads)));
+        let mut spins = 0u32;
+        while s.remaining.load(Ordering::Acquire) != 0 {
+            // With more threads than free cores, spinning would starve the
+            // worker being waited for: give way now and then.
+            spins += 1;
+            if spins % YIELD_EVERY == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        unsafe { *s.job.get() = None };
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.swap(false, Ordering::SeqCst) {
+            panic!("a worker thread panicked in a parallel section");
+        }
+    }
+}
+
+fn worker(s: &Shared, index: usize, threads: usize) {
+    let mut seen = 0usize;
+    loop {
+        // Wait for a new section: spin, then sleep.
+        let mut spins = 0u32;
+        loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let epoch = s.epoch.load(Ordering::Acquire);
+            if epoch != seen {
+                seen = epoch;
+                break;
+            }
+            if spins < SPIN_ITERATIONS {
+                spins += 1;
+                if spins % YIELD_EVERY == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            let guard = s
+                .wake
+                .wait_while(guard, |_| s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst))
+                .unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+            drop(guard);
+            spins = 0;
+        }
+        // SAFETY: see `Shared`; the job outlives this section.
+        let job = unsafe { (*s.job.get()).expect("a section has a job") };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*job)(index, threads) }));
+        if result.is_err() {
+            s.panicked.store(true, Ordering::SeqCst);
+        }
+        s.remaining.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _l = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+static GLOBAL: OnceLock<ThreadPool> = OnceLock::new();
+
+/// Sets the size of the process-wide pool. Only the first call (or first use)
+/// decides; returns false if the pool already existed with another size.
+pub fn init_global(threads: usize) -> bool {
+    GLOBAL.get_or_init(|| ThreadPool::new(threads)).threads() == threads.max(1)
+}
+
+/// The process-wide pool the dispatching kernels use: as set by
+/// [`init_global`], else one thread per available CPU.
+pub fn global() -> &'static ThreadPool {
+    GLOBAL.get_or_init(|| ThreadPool::new(std::thread::available_parallelism().map_or(1, |n| n.get())))
+}
+
+/// The rows `[start, end)` of `rows` that thread `t` of `n` takes: contiguous,
+/// balanced, and aligned to `align` rows where possible.
+pub fn share(rows: usize, t: usize, n: usize, align: usize) -> (usize, usize) {
+    let bound = |i: usize| {
+        if i >= n {
+            return rows;
+        }
+        let b = rows * i / n;
+        (b / align * align).min(rows)
+    };
+    (bound(t), bound(t + 1))
+}
+
+/// A mutable slice written by several threads at disjoint indices.
+pub struct SharedMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _life: std::marker::PhantomData<&'a mut [T]>,
+}
+
+unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
+unsafe impl<T: Send> Send for SharedMut<'_, T> {}
+
+impl<'a, T> SharedMut<'a, T> {
+    pub fn new(slice: &'a mut [T]) -> Self {
+        SharedMut { ptr: slice.as_mut_ptr(), len: slice.len(), _life: std::marker::PhantomData }
+    }
+
+    /// # Safety
+    /// Ranges taken concurrently must not overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range(&self, start: usize, end: usize) -> &mut [T] {
+        assert!(start <= end && end <= self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(start), end - start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_thread_runs_once_per_section() {
+        for threads in [1, 2, 3, 5] {
+            let pool = ThreadPool::new(threads);
+            let hits: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+            for _ in 0..1000 {
+                pool.run(|t, n| {
+                    assert_eq!(n, threads);
+                    hits[t].fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1000));
+        }
+    }
+
+    #[test]
+    fn sleeping_workers_wake_up() {
+        let pool = ThreadPool::new(2);
+        let sum = AtomicUsize::new(0);
+        pool.run(|t, _| {
+            sum.fetch_add(t + 1, Ordering::Relaxed);
+        });
+        // Long enough for the worker to give up spinning and sleep.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        pool.run(|t, _| {
+            sum.fetch_add(t + 1, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 6);
+    }
+
+    #[test]
+    fn a_panic_in_a_worker_reaches_the_caller() {
+        let pool = ThreadPool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(|t, _| assert!(t != 1, "boom"));
+        }));
+        assert!(r.is_err());
+        // The pool still works afterwards.
+        let ok = AtomicUsize::new(0);
+        pool.run(|_, _| {
+            ok.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(ok.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn shares_cover_all_rows_without_overlap() {
+        for rows in [0, 1, 7, 128, 896, 4864, 151_936] {
+            for n in 1..6 {
+                for align in [1, 4, 16] {
+                    let mut next = 0;
+                    for t in 0..n {
+                        let (a, b) = share(rows, t, n, align);
+                        assert_eq!(a, next);
+                        assert!(b >= a);
+                        next = b;
+                    }
+                    assert_eq!(next, rows);
+                }
+            }
+        }
+    }
+}

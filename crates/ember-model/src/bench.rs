@@ -1,0 +1,57 @@
+//! Measurements for `ember bench`: prompt processing and generation speed,
+//! timed around the forward passes only (no tokenizer, no sampler), and the
+//! memory read bandwidth of the machine over the model's own weights.
+
+use crate::error::Result;
+use crate::qwen2::Qwen2;
+use std::time::{Duration, Instant};
+
+/// Deterministic token ids spread over the vocabulary (what they are does
+/// not change the work of a forward pass).
+pub fn bench_tokens(model: &Qwen2, n: usize) -> Vec<u32> {
+    let vocab = model.config.vocab_size as u64;
+    (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect()
+}
+
+/// Time to process an `n`-token prompt from an empty cache, with logits for
+/// the last position only.
+pub fn prompt_processing(model: &Qwen2, n: usize) -> Result<Duration> {
+    let tokens = bench_tokens(model, n);
+    let mut state = model.new_state(n.max(1));
+    let start = Instant::now();
+    for (i, &t) in tokens.iter().enumerate() {
+        model.forward(&mut state, t, i + 1 == n)?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Time to generate `n` tokens one at a time from an empty cache, computing
+/// the full logits at every step (as decoding does).
+pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
+    let tokens = bench_tokens(model, n);
+    let mut state = model.new_state(n.max(1));
+    let start = Instant::now();
+    for &t in &tokens {
+        model.forward(&mut state, t, true)?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Reads every weight of the model once with the global pool, as fast as the
+/// memory allows, and returns (bytes read, time). This is the ceiling a
+/// decoder streaming the same bytes can approach.
+pub fn weight_read(model: &Qwen2) -> (usize, Duration) {
+    let mut slices: Vec<&[u8]> = Vec::new();
+    for l in &model.layers {
+        for p in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {
+            slices.push(p.weight.as_bytes());
+        }
+    }
+    slices.push(model.lm_head.as_bytes());
+    let bytes = slices.iter().map(|s| s.len()).sum();
+    let start = Instant::now();
+    let sum = ember_kernels::bandwidth::read_all(ember_kernels::pool::global(), &slices);
+    let elapsed = start.elapsed();
+    std::hint::black_box(sum);
+    (bytes, elapsed)
+}
