@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
 
-    /// Thread counts, comma-separated (default: the number of CPU cores).
+    /// Thread counts, comma-separated (default: the number of physical CPU cores).
     #[arg(short = 't', long, value_delimiter = ',')]
     threads: Vec<usize>,
 

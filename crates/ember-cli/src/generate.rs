@@ -52,7 +52,7 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_CONTEXT)]
     ctx: usize,
 
-    /// Worker threads (default: the number of CPU cores).
+    /// Worker threads (default: the number of physical CPU cores).
     #[arg(short, long)]
     threads: Option<usize>,
 

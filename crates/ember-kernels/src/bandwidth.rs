@@ -53,35 +53,36 @@ pub fn sum_words_with(isa: Isa, b: &[u8]) -> u64 {
     }
 }
 
-/// 128 bytes per step in four 64-bit-lane accumulators, with the same
-/// software prefetch distance as the mat-vec kernels, so the probe is at least
-/// as good at streaming as the kernels it is the ceiling for.
+/// Four streams at once (the buffer cut in four), 32 bytes from each per
+/// step, with the same software prefetch distance as the mat-vec kernels: the
+/// probe streams at least as well as the kernels it is the ceiling for (one
+/// stream alone was measured 10% slower on one core).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn sum_words_avx2(b: &[u8]) -> u64 {
     use std::arch::x86_64::*;
+    const AHEAD: usize = 4096;
+    let part = b.len() / 4 / 32 * 32;
     let p = b.as_ptr();
+    let streams = [p, p.add(part), p.add(2 * part), p.add(3 * part)];
     let mut acc = [_mm256_setzero_si256(); 4];
     let mut i = 0;
-    while i + 128 <= b.len() {
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).add(i + 4096));
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).add(i + 4096 + 64));
+    while i < part {
         for (k, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_add_epi64(*a, _mm256_loadu_si256(p.add(i + 32 * k) as *const __m256i));
+            if i % 64 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>((streams[k] as *const i8).add(i + AHEAD));
+            }
+            *a = _mm256_add_epi64(*a, _mm256_loadu_si256(streams[k].add(i) as *const __m256i));
         }
-        i += 128;
+        i += 32;
     }
-    let mut lanes = [0u64; 4];
+    let mut total = sum_words(&b[4 * part..]);
     for a in acc {
         let mut v = [0u64; 4];
         _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, a);
-        for (l, x) in lanes.iter_mut().zip(v) {
-            *l = l.wrapping_add(x);
-        }
+        total = v.iter().fold(total, |s, &x| s.wrapping_add(x));
     }
-    // The rest, and the lane sums, exactly as the scalar twin adds them.
-    let rest = sum_words(&b[i..]);
-    lanes.iter().fold(rest, |s, &l| s.wrapping_add(l))
+    total
 }
 
 #[cfg(test)]

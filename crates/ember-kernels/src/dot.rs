@@ -179,15 +179,17 @@ pub(crate) mod avx2 {
 
     macro_rules! rows_kernel {
         ($name:ident, $t:ty, $load:ident, $features:literal, $widen:expr) => {
-            /// Four rows at a time: `y[r] = w[r] · x` for `r` in `0..4`, with
-            /// `w (4, cols)` contiguous. Each x vector is loaded once for four
-            /// rows, and four weight streams are in flight.
+            /// Four dot products at once: `[w0 · x, w1 · x, w2 · x, w3 · x]`.
+            /// Each x vector is loaded once for four rows, and when the rows
+            /// come from four distant parts of a matrix, four independent
+            /// memory streams are in flight, each prefetched ahead (the rows
+            /// that follow a row in its stream are the next ones read).
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(w: &[$t], cols: usize, x: &[f32], y: &mut [f32; 4]) {
-                debug_assert_eq!(w.len(), 4 * cols);
-                debug_assert_eq!(x.len(), cols);
-                let (wp, xp) = (w.as_ptr(), x.as_ptr());
-                let r = [wp, wp.add(cols), wp.add(2 * cols), wp.add(3 * cols)];
+            pub unsafe fn $name(w: [&[$t]; 4], x: &[f32]) -> [f32; 4] {
+                let cols = x.len();
+                debug_assert!(w.iter().all(|r| r.len() == cols));
+                let xp = x.as_ptr();
+                let r = w.map(|row| row.as_ptr());
                 let mut acc = [_mm256_setzero_ps(); 8];
                 let mut i = 0;
                 let bytes = std::mem::size_of::<$t>();
@@ -195,10 +197,9 @@ pub(crate) mod avx2 {
                     let x0 = _mm256_loadu_ps(xp.add(i));
                     let x1 = _mm256_loadu_ps(xp.add(i + 8));
                     for k in 0..4 {
-                        // The rows after these four, a little ahead.
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            (r[k] as *const i8).add(4 * cols * bytes + i * bytes + PREFETCH_AHEAD),
-                        );
+                        // A prefetch is only a hint: past the end of the data
+                        // it is harmless.
+                        _mm_prefetch::<_MM_HINT_T0>((r[k] as *const i8).wrapping_add(i * bytes + PREFETCH_AHEAD));
                         acc[2 * k] = _mm256_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
                         acc[2 * k + 1] = _mm256_fmadd_ps($load(r[k].add(i + 8)), x1, acc[2 * k + 1]);
                     }
@@ -212,13 +213,15 @@ pub(crate) mod avx2 {
                     i += 8;
                 }
                 let widen = $widen;
+                let mut y = [0.0f32; 4];
                 for k in 0..4 {
                     let mut s = hsum(_mm256_add_ps(acc[2 * k], acc[2 * k + 1]));
                     for j in i..cols {
-                        s += widen(*r[k].add(j)) * x[j];
+                        s += widen(w[k][j]) * x[j];
                     }
                     y[k] = s;
                 }
+                y
             }
         };
     }

@@ -105,26 +105,36 @@ pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
     let mut r = 0;
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // Four rows per step: x is loaded once for all four, and four weight
-        // streams are in flight, which keeps more of the memory bus busy.
-        let c = w.cols;
-        while r + 4 <= w.rows {
-            let out: &mut [f32; 4] = (&mut y[r..r + 4]).try_into().expect("four rows");
-            let span = r * c..(r + 4) * c;
+        // Rows j, j+q, j+2q, j+3q together: x is loaded once for four rows,
+        // and the four quarters of the matrix stream from memory at once,
+        // which was measured to use the memory bus better than four adjacent
+        // rows (one stream).
+        let (q, c) = (w.rows / 4, w.cols);
+        for j in 0..q {
+            let idx = [j, j + q, j + 2 * q, j + 3 * q];
             // SAFETY: Avx2 is only chosen on CPUs that have it.
-            unsafe {
+            let out = unsafe {
                 match w.weights {
-                    Weights::F32(m) => dot::avx2::rows4_f32(&m[span], c, x, out),
-                    Weights::Bf16(m) => dot::avx2::rows4_bf16(&m[span], c, x, out),
-                    Weights::F16(m) => dot::avx2::rows4_f16(&m[span], c, x, out),
+                    Weights::F32(m) => dot::avx2::rows4_f32(quad(m, c, idx), x),
+                    Weights::Bf16(m) => dot::avx2::rows4_bf16(quad(m, c, idx), x),
+                    Weights::F16(m) => dot::avx2::rows4_f16(quad(m, c, idx), x),
                 }
+            };
+            for (i, v) in idx.into_iter().zip(out) {
+                y[i] = v;
             }
-            r += 4;
         }
+        r = 4 * q;
     }
     for (i, out) in y.iter_mut().enumerate().skip(r) {
         *out = w.dot_row(isa, i, x);
     }
+}
+
+/// Rows `idx` of a row-major matrix with `c` columns.
+#[cfg(target_arch = "x86_64")]
+fn quad<T>(m: &[T], c: usize, idx: [usize; 4]) -> [&[T]; 4] {
+    idx.map(|i| &m[i * c..(i + 1) * c])
 }
 
 /// Below this many weights a mat-vec stays on one thread: waking the pool

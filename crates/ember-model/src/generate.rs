@@ -283,19 +283,17 @@ impl Generation<'_, '_> {
         if self.stats.generated >= self.options.max_tokens {
             return Ok(self.stop(StopReason::MaxTokens));
         }
-        let todo = std::mem::take(&mut self.todo);
-        if self.session.tokens.len() + todo.len() > self.session.capacity() {
-            self.session.pending = todo;
+        if self.session.tokens.len() + self.todo.len() > self.session.capacity() {
             return Ok(self.stop(StopReason::ContextFull));
         }
         let start = Instant::now();
-        self.session.prefill(&todo, &mut self.logits)?;
+        self.session.prefill(&self.todo, &mut self.logits)?;
         if self.stats.generated == 0 {
-            self.stats.prompt_tokens = todo.len();
+            self.stats.prompt_tokens = self.todo.len();
             self.stats.prefill = start.elapsed();
-            self.history = self.session.tokens.clone();
+            self.history.extend_from_slice(&self.session.tokens);
         } else {
-            self.stats.decode_tokens += todo.len();
+            self.stats.decode_tokens += self.todo.len();
             self.stats.decode += start.elapsed();
         }
 
@@ -306,7 +304,9 @@ impl Generation<'_, '_> {
         let model = self.session.model;
         let is_eos = self.options.stop_at_eos && model.eos_token_ids().contains(&id);
         let mut text = self.stream.push(&model.tokenizer, id)?;
-        self.todo = vec![id];
+        // The sampled token runs at the next step (or waits in the session).
+        self.todo.clear();
+        self.todo.push(id);
         if is_eos {
             text.push_str(&self.stream.finish(&model.tokenizer)?);
             self.stop(StopReason::Eos);
