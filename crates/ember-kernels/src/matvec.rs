@@ -214,7 +214,7 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
         let o = unsafe { out.range(a, b) };
         // Blocks of rows from each matrix in turn: both weight streams run
         // through the fast multi-row kernel (a row of gate, then a row of up,
-        // was measured 40% slower: it defeats the prefetching).
+        // took a third longer: it defeats the prefetching).
         let mut u = [0.0f32; SWIGLU_BLOCK];
         for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
             let end = start + o.len();
