@@ -10,7 +10,10 @@
 //!    top-1/top-2 margin is below [`MARGIN`] (past such a near-tie, a correct
 //!    engine may take the other branch);
 //! 3. the ten best logits at the prompt's last position are within
-//!    [`LOGIT_TOLERANCE`] of the reference.
+//!    [`LOGIT_TOLERANCE`] of the reference;
+//! 4. those logits after batched prefill (the default) equal those of the
+//!    token-by-token path (`--prefill-chunk 1`) within a relative
+//!    [`BATCH_TOLERANCE`].
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -21,6 +24,11 @@ use std::process::Command;
 const MARGIN: f64 = 0.02;
 /// Largest allowed |ember - transformers| of a top-10 logit.
 const LOGIT_TOLERANCE: f64 = 2e-3;
+/// Largest allowed max|batched - token by token| / max|token by token| of the
+/// 20 best last-position logits.
+const BATCH_TOLERANCE: f64 = 1e-4;
+/// The reference files `cargo xtask parity` checks by default.
+const DEFAULT_REFERENCES: [&str; 2] = ["fixtures/reference/greedy.jsonl", "fixtures/reference/long.jsonl"];
 
 #[derive(Deserialize)]
 struct Reference {
@@ -41,7 +49,7 @@ struct Top {
 }
 
 /// A prompt as `prompts.json` lists it.
-#[derive(Deserialize)]
+#[derive(Deserialize, Clone)]
 struct Prompt {
     name: String,
     prompt: String,
@@ -59,12 +67,12 @@ struct EmberOut {
 pub fn run(args: &[String]) -> Result<()> {
     let root = crate::root();
     let mut model = None;
-    let mut reference = root.join("fixtures/reference/greedy.jsonl");
+    let mut references = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--model" => model = Some(PathBuf::from(it.next().context("--model needs a folder")?)),
-            "--reference" => reference = PathBuf::from(it.next().context("--reference needs a file")?),
+            "--reference" => references.push(PathBuf::from(it.next().context("--reference needs a file")?)),
             other => {
                 bail!("unknown option `{other}` (parity takes --model DIR and --reference FILE)")
             }
@@ -74,22 +82,28 @@ pub fn run(args: &[String]) -> Result<()> {
     if !model.join("config.json").is_file() {
         bail!("no model in {} (run `cargo xtask fetch` first)", model.display());
     }
-    let text = std::fs::read_to_string(&reference).with_context(|| format!("reading {}", reference.display()))?;
-    let refs: Vec<Reference> = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}:{}", reference.display(), i + 1)))
-        .collect::<Result<_>>()?;
-    if refs.is_empty() {
-        bail!("{} holds no reference", reference.display());
+    if references.is_empty() {
+        references = DEFAULT_REFERENCES.iter().map(|f| root.join(f)).collect();
     }
-    let prompts = load_prompts(&reference)?;
+    let mut refs = Vec::new();
+    for reference in &references {
+        let text = std::fs::read_to_string(reference).with_context(|| format!("reading {}", reference.display()))?;
+        let prompts = load_prompts(reference)?;
+        let before = refs.len();
+        for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let r: Reference = serde_json::from_str(l).with_context(|| format!("{}:{}", reference.display(), i + 1))?;
+            let prompt = prompts.iter().position(|p| p.name == r.name).map(|i| prompts[i].clone());
+            refs.push((r, prompt));
+        }
+        if refs.len() == before {
+            bail!("{} holds no reference", reference.display());
+        }
+    }
     let ember = crate::build_ember()?;
 
     let (mut passed, mut failed) = (0, 0);
-    for r in &refs {
-        match check(&ember, &model, r, prompts.iter().find(|p| p.name == r.name)) {
+    for (r, prompt) in &refs {
+        match check(&ember, &model, r, prompt.as_ref()) {
             Ok(summary) => {
                 passed += 1;
                 println!("ok    {:<14} {summary}", r.name);
@@ -116,11 +130,19 @@ fn load_prompts(reference: &Path) -> Result<Vec<Prompt>> {
     }
 }
 
-fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>) -> Result<String> {
+/// Runs ember greedily on the reference's prompt and returns its output and
+/// how the prompt was given (raw or through the chat template).
+fn run_ember(
+    ember: &Path,
+    model: &Path,
+    r: &Reference,
+    prompt: Option<&Prompt>,
+    extra: &[&str],
+) -> Result<(EmberOut, &'static str)> {
     let mut cmd = Command::new(ember);
     cmd.arg("--model").arg(model);
     cmd.args(["--temperature", "0", "--json", "--top-logits", "20", "--seed", "0"]);
-    cmd.args(["--max-tokens", &r.greedy_ids.len().max(1).to_string()]);
+    cmd.args(extra);
     let via = match (r.chat, prompt) {
         (true, Some(p)) => {
             cmd.args(["--chat", "--prompt", &p.prompt]);
@@ -138,8 +160,12 @@ fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>) -> 
     if !out.status.success() {
         bail!("ember failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
-    let got: EmberOut = serde_json::from_slice(&out.stdout).context("reading ember's --json output")?;
+    Ok((serde_json::from_slice(&out.stdout).context("reading ember's --json output")?, via))
+}
 
+fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>) -> Result<String> {
+    let max_tokens = r.greedy_ids.len().max(1).to_string();
+    let (got, via) = run_ember(ember, model, r, prompt, &["--max-tokens", &max_tokens])?;
     if got.prompt_ids != r.prompt_ids {
         bail!("prompt ids ({via}) differ:\n  ember        {:?}\n  transformers {:?}", got.prompt_ids, r.prompt_ids);
     }
@@ -174,13 +200,27 @@ fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>) -> 
             ),
         }
     }
+    // The batched prompt path against the token-by-token one.
+    let (one, _) = run_ember(ember, model, r, prompt, &["--max-tokens", "1", "--prefill-chunk", "1"])?;
+    let scale = one.top_logits.logits.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let mut batch_diff: f64 = 0.0;
+    for (id, want) in one.top_logits.ids.iter().zip(&one.top_logits.logits) {
+        let Some(i) = got.top_logits.ids.iter().position(|g| g == id) else {
+            bail!("token {id} is among the 20 best logits token by token but not after batched prefill");
+        };
+        batch_diff = batch_diff.max((got.top_logits.logits[i] - want).abs() / scale);
+    }
+    if batch_diff > BATCH_TOLERANCE {
+        bail!("batched prefill differs from token by token: relative {batch_diff:.2e} > {BATCH_TOLERANCE:.0e}");
+    }
+
     let tail = if stop < r.greedy_ids.len() {
         format!(" (stopped at a near-tie, margin {:.4})", r.margins[stop])
     } else {
         String::new()
     };
     Ok(format!(
-        "prompt {} ids ({via}) | greedy {stop}/{} equal{tail} | top-10 max |diff| {worst:.1e}",
+        "prompt {} ids ({via}) | greedy {stop}/{} equal{tail} | top-10 max |diff| {worst:.1e} | batched vs 1-by-1 {batch_diff:.1e}",
         r.prompt_ids.len(),
         r.greedy_ids.len()
     ))

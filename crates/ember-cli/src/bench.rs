@@ -31,6 +31,10 @@ pub struct Args {
     #[arg(short = 't', long, value_delimiter = ',')]
     threads: Vec<usize>,
 
+    /// Prompt tokens per forward pass in ppN tests (1 = token by token).
+    #[arg(short = 'b', long, default_value_t = ember_model::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+
     /// Print one JSON array, an object per test.
     #[arg(long)]
     json: bool,
@@ -48,11 +52,17 @@ struct Row {
     /// For tgN: the machine's read bandwidth over the same weights, same run.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     read_gb_s: Option<f64>,
+    /// For ppN: time to first token for an N-token prompt (median), in ms.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    ttft_ms: Option<f64>,
 }
 
 pub fn run(args: Args) -> Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
     }
     if args.threads.contains(&0) {
         bail!("--threads must be at least 1");
@@ -76,9 +86,15 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut rows = Vec::new();
     for &n in args.prompt.iter().filter(|&&n| n > 0) {
-        let rates =
-            measure(args.repetitions, || bench::prompt_processing(&model, n).map(|d| n as f64 / d.as_secs_f64()))?;
-        rows.push(row(format!("pp{n}"), threads, &rates));
+        let mut ttft = Vec::new();
+        let rates = measure(args.repetitions, || {
+            let d = bench::prompt_processing(&model, n, args.prefill_chunk)?;
+            ttft.push(d.as_secs_f64() * 1e3);
+            Ok(n as f64 / d.as_secs_f64())
+        })?;
+        let mut r = row(format!("pp{n}"), threads, &rates);
+        r.ttft_ms = Some(median(&ttft));
+        rows.push(r);
     }
     for &n in args.generate.iter().filter(|&&n| n > 0) {
         let rates = measure(args.repetitions, || bench::generation(&model, n).map(|d| n as f64 / d.as_secs_f64()))?;
@@ -104,6 +120,7 @@ fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>>
         .arg(dir)
         .args(["-p", &join(&args.prompt), "-n", &join(&args.generate)])
         .args(["-r", &args.repetitions.to_string(), "-t", &threads.to_string(), "--json"])
+        .args(["-b", &args.prefill_chunk.to_string()])
         .output()
         .context("running a benchmark child process")?;
     if !out.status.success() {
@@ -123,7 +140,7 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
     } else {
         0.0
     };
-    Row { test, threads, tok_s: mean, sd: var.sqrt(), gb_s: None, read_gb_s: None }
+    Row { test, threads, tok_s: mean, sd: var.sqrt(), gb_s: None, read_gb_s: None, ttft_ms: None }
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -143,25 +160,20 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         println!("weights streamed per decoded token: {:.3} GB", b as f64 / 1e9);
     }
     println!(
-        "| {:<8} | {:>7} | {:>16} | {:>14} | {:>16} |",
-        "test", "threads", "t/s", "weights GB/s", "read GB/s (same run)"
+        "| {:<8} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
+        "test", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s"
     );
-    println!("| {:-<8} | {:->7} | {:->16} | {:->14} | {:->20} |", "", "", "", "", "");
+    println!("| {:-<8} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} |", "", "", "", "", "", "");
     for r in rows {
-        let gb = r.gb_s.map_or(String::new(), |g| format!("{g:.1}"));
-        let read = r.read_gb_s.map_or(String::new(), |g| format!("{g:.1}"));
-        let pct = match (r.gb_s, r.read_gb_s) {
-            (Some(g), Some(c)) if c > 0.0 => format!(" ({:.0}% of read)", 100.0 * g / c),
+        let ttft = r.ttft_ms.map_or(String::new(), |t| format!("{t:.0}"));
+        let gb = match (r.gb_s, r.read_gb_s) {
+            (Some(g), Some(c)) if c > 0.0 => format!("{g:.1} ({:.0}% of read)", 100.0 * g / c),
+            (Some(g), _) => format!("{g:.1}"),
             _ => String::new(),
         };
-        println!(
-            "| {:<8} | {:>7} | {:>16} | {:>14} | {:>20} |",
-            r.test,
-            r.threads,
-            format!("{:.2} ± {:.2}", r.tok_s, r.sd),
-            gb + &pct,
-            read
-        );
+        let read = r.read_gb_s.map_or(String::new(), |g| format!("{g:.1}"));
+        let rate = format!("{:.2} ± {:.2}", r.tok_s, r.sd);
+        println!("| {:<8} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |", r.test, r.threads, rate, ttft, gb, read);
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{Context, Result};
-use ember_model::{GenerateOptions, Message, Model, SamplerConfig, StopReason, DEFAULT_CONTEXT};
+use ember_model::{GenerateOptions, Message, Model, SamplerConfig, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -51,6 +51,10 @@ pub struct Args {
     /// Context size in tokens (prompt + output).
     #[arg(long, default_value_t = DEFAULT_CONTEXT)]
     ctx: usize,
+
+    /// Prompt tokens run through the model at once (1 = token by token).
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
+    prefill_chunk: usize,
 
     /// Worker threads (default: the number of physical CPU cores).
     #[arg(short, long)]
@@ -110,6 +114,8 @@ struct JsonOut {
     text: String,
     prefill_tok_s: f64,
     decode_tok_s: f64,
+    /// Time to first token: the prompt's forward passes and the first draw.
+    ttft_ms: f64,
     stop: &'static str,
     seed: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -150,6 +156,10 @@ pub fn run(args: Args) -> Result<()> {
     let seed = sampler.seed;
     let options = GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true };
     let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
+    if args.prefill_chunk == 0 {
+        anyhow::bail!("--prefill-chunk must be at least 1");
+    }
+    session.set_prefill_chunk(args.prefill_chunk);
     let mut generation = session.generate(&prompt_ids, options)?;
 
     let mut ids = Vec::new();
@@ -185,6 +195,7 @@ pub fn run(args: Args) -> Result<()> {
             text,
             prefill_tok_s: stats.prefill_tok_s(),
             decode_tok_s: stats.decode_tok_s(),
+            ttft_ms: stats.prefill.as_secs_f64() * 1e3,
             stop,
             seed,
             top_logits,
@@ -197,9 +208,10 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("note: stopped because the context of {} tokens is full (raise --ctx)", session.capacity());
         }
         eprintln!(
-            "prefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | {} threads, seed {seed}, stop: {stop}",
+            "prefill: {} tokens, {:.1} tok/s, first token after {:.0} ms | decode: {} tokens, {:.1} tok/s | {} threads, seed {seed}, stop: {stop}",
             stats.prompt_tokens,
             stats.prefill_tok_s(),
+            stats.prefill.as_secs_f64() * 1e3,
             stats.decode_tokens,
             stats.decode_tok_s(),
             threads,

@@ -14,17 +14,22 @@ pub enum Isa {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C (Haswell and later, Zen and later).
     Avx2,
+    /// AVX2 plus AVX-512F (Skylake-SP and later, Zen 4 and later). Used where
+    /// arithmetic bounds the work (prefill's matrix products); memory-bound
+    /// kernels run their AVX2 versions, which already saturate the bus.
+    Avx512,
 }
 
 impl Isa {
     /// All tiers, lowest first.
-    pub const ALL: [Isa; 2] = [Isa::Scalar, Isa::Avx2];
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
 
     /// The name used by `EMBER_ISA`.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
     }
 
@@ -38,6 +43,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
+            Isa::Avx512 => avx2_supported() && avx512_supported(),
         }
     }
 
@@ -73,6 +79,16 @@ fn avx2_supported() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_supported() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_supported() -> bool {
     false
 }
 

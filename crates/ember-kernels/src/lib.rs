@@ -12,6 +12,7 @@
 //! | [`isa`] | which instruction-set tier runs (detected once, `EMBER_ISA` overrides) |
 //! | [`dot`] | dot products of f32 activations with F32, BF16 and F16 weights |
 //! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows; fused q/k/v and gate/up forms |
+//! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for prefill: packed panels and a register-tiled micro-kernel |
 //! | [`pool`] | the persistent thread pool of the token loop |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
 //! | [`attention`] | one query against a KV cache, grouped-query aware |
@@ -24,11 +25,13 @@ pub mod attention;
 pub mod bandwidth;
 pub mod dot;
 pub mod isa;
+pub mod matmul;
 pub mod matvec;
 pub mod ops;
 pub mod pool;
 
 pub use half::{bf16, f16};
 pub use isa::Isa;
+pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls};
 pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs, MatRef, Weights};
 pub use pool::ThreadPool;

@@ -104,7 +104,7 @@ pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
     assert_eq!(y.len(), w.rows, "y length");
     let mut r = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa >= Isa::Avx2 {
         // Rows j, j+q, j+2q, j+3q together: x is loaded once for four rows,
         // and the four quarters of the matrix stream from memory at once,
         // which was measured to use the memory bus better than four adjacent

@@ -29,7 +29,7 @@ pub struct Rope {
 impl Rope {
     /// Tables for heads of `head_dim` (even) and base `theta`.
     pub fn new(head_dim: usize, theta: f32) -> Rope {
-        assert!(head_dim % 2 == 0, "RoPE needs an even head_dim");
+        assert!(head_dim.is_multiple_of(2), "RoPE needs an even head_dim");
         let inv_freq = (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
         Rope { inv_freq }
     }

@@ -112,7 +112,7 @@ impl ThreadPool {
             // With more threads than free cores, spinning would starve the
             // worker being waited for: give way now and then.
             spins += 1;
-            if spins % YIELD_EVERY == 0 {
+            if spins.is_multiple_of(YIELD_EVERY) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -144,7 +144,7 @@ fn worker(s: &Shared, index: usize, threads: usize) {
             }
             if spins < SPIN_ITERATIONS {
                 spins += 1;
-                if spins % YIELD_EVERY == 0 {
+                if spins.is_multiple_of(YIELD_EVERY) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

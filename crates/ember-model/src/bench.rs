@@ -13,14 +13,17 @@ pub fn bench_tokens(model: &Qwen2, n: usize) -> Vec<u32> {
     (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect()
 }
 
-/// Time to process an `n`-token prompt from an empty cache, with logits for
-/// the last position only.
-pub fn prompt_processing(model: &Qwen2, n: usize) -> Result<Duration> {
+/// Time to process an `n`-token prompt from an empty cache in blocks of
+/// `chunk` tokens, as a session prefills, with logits for the last position
+/// only: the time to first token, less one sampling step.
+pub fn prompt_processing(model: &Qwen2, n: usize, chunk: usize) -> Result<Duration> {
     let tokens = bench_tokens(model, n);
     let mut state = model.new_state(n.max(1));
+    let blocks = tokens.chunks(chunk.max(1));
+    let last = blocks.len();
     let start = Instant::now();
-    for (i, &t) in tokens.iter().enumerate() {
-        model.forward(&mut state, t, i + 1 == n)?;
+    for (i, block) in blocks.enumerate() {
+        model.forward_batch(&mut state, block, i + 1 == last)?;
     }
     Ok(start.elapsed())
 }

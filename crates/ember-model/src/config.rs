@@ -92,8 +92,8 @@ impl Config {
         let err = |field: &'static str, message: String| Error::Config { path: path.into(), field, message };
 
         let arch = raw.architectures.as_ref().and_then(|a| a.first().cloned());
-        let known_arch = arch.as_deref().map_or(true, |a| a == "Qwen2ForCausalLM");
-        let known_type = raw.model_type.as_deref().map_or(true, |t| t == "qwen2");
+        let known_arch = arch.as_deref().is_none_or(|a| a == "Qwen2ForCausalLM");
+        let known_type = raw.model_type.as_deref().is_none_or(|t| t == "qwen2");
         if !known_arch || !known_type || (arch.is_none() && raw.model_type.is_none()) {
             let found = match (&arch, &raw.model_type) {
                 (Some(a), Some(t)) => format!("{a} (model_type \"{t}\")"),
@@ -118,12 +118,12 @@ impl Config {
         }
         let heads = raw.num_attention_heads;
         let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(err("num_key_value_heads", format!("{kv_heads} does not divide num_attention_heads {heads}")));
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
-            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+            None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
             None => {
                 return Err(err(
                     "num_attention_heads",

@@ -14,6 +14,12 @@ use std::time::{Duration, Instant};
 /// small enough that the KV cache stays modest (it grows only as used).
 pub const DEFAULT_CONTEXT: usize = 4096;
 
+/// Prompt tokens run through the model together (one matrix-matrix pass per
+/// layer). Larger blocks reuse each weight more but need more scratch memory
+/// (about 45 KB per token for the 0.5B model); 512 is where llama.cpp's
+/// micro-batch sits too.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
 /// A model folder, loaded: weights, tokenizer, chat template, generation defaults.
 pub struct Model {
     pub qwen2: Qwen2,
@@ -71,7 +77,13 @@ impl Model {
                 "context must be between 1 and the model's {max} tokens, not {context}"
             )));
         }
-        Ok(Session { model: self, state: self.qwen2.new_state(context), tokens: Vec::new(), pending: Vec::new() })
+        Ok(Session {
+            model: self,
+            state: self.qwen2.new_state(context),
+            tokens: Vec::new(),
+            pending: Vec::new(),
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        })
     }
 }
 
@@ -110,6 +122,8 @@ pub struct Session<'m> {
     /// Tokens generated but not yet run through the model (the last sampled
     /// token of a reply); they are prefilled before the next prompt.
     pending: Vec<u32>,
+    /// Prompt tokens per forward pass.
+    prefill_chunk: usize,
 }
 
 /// Why generation ended.
@@ -187,6 +201,12 @@ impl<'m> Session<'m> {
         &self.tokens
     }
 
+    /// Sets how many prompt tokens go through the model at once (at least 1;
+    /// 1 means token by token). Memory for the block's activations grows with it.
+    pub fn set_prefill_chunk(&mut self, tokens: usize) {
+        self.prefill_chunk = tokens.max(1);
+    }
+
     /// Forgets the conversation.
     pub fn reset(&mut self) {
         self.state.cache.clear();
@@ -234,10 +254,12 @@ impl<'m> Session<'m> {
 
     /// Runs `tokens` through the model; returns the logits after the last.
     fn prefill(&mut self, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
-        for (i, &t) in tokens.iter().enumerate() {
-            let last = i + 1 == tokens.len();
-            let out = self.model.qwen2.forward(&mut self.state, t, last)?;
-            self.tokens.push(t);
+        let chunks = tokens.chunks(self.prefill_chunk);
+        let n = chunks.len();
+        for (i, chunk) in chunks.enumerate() {
+            let last = i + 1 == n;
+            let out = self.model.qwen2.forward_batch(&mut self.state, chunk, last)?;
+            self.tokens.extend_from_slice(chunk);
             if let Some(l) = out {
                 logits.copy_from_slice(l);
             }

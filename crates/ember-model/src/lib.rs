@@ -40,6 +40,7 @@ pub use ember_sample::{Sampler, SamplerConfig};
 pub use error::{Error, Result};
 pub use generate::{
     load_qwen2, GenerateOptions, Generation, Model, Session, Stats, StopReason, Token, DEFAULT_CONTEXT,
+    DEFAULT_PREFILL_CHUNK,
 };
 pub use qwen2::{Qwen2, State};
 pub use stream::TextStream;

@@ -21,7 +21,8 @@ use crate::weights::{Tensor, TensorStore};
 use ember_kernels::attention::{attend_heads, AttnShape};
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
 use ember_kernels::pool::{self, SharedMut};
-use ember_kernels::{matvec, matvec_swiglu, matvecs, Isa};
+use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa};
+use std::cell::RefCell;
 
 /// Below this many cached positions attention stays on one thread: it is a
 /// few microseconds, less than a wake-up of the pool.
@@ -133,6 +134,7 @@ impl Qwen2 {
             cos: vec![0.0; c.head_dim / 2],
             sin: vec![0.0; c.head_dim / 2],
             logits: vec![0.0; c.vocab_size],
+            batch: Batch::default(),
         }
     }
 
@@ -208,6 +210,156 @@ impl Qwen2 {
     }
 }
 
+impl Qwen2 {
+    /// Runs a block of tokens at the next positions of `state`, every layer
+    /// as matrix-matrix products (each weight read once for the block), and
+    /// appends their keys and values to the cache. With `want_logits`, returns
+    /// the logits `(vocab,)` after the last token. Equal to calling
+    /// [`Qwen2::forward`] on each token in turn, up to rounding.
+    pub fn forward_batch<'s>(
+        &self,
+        state: &'s mut State,
+        tokens: &[u32],
+        want_logits: bool,
+    ) -> Result<Option<&'s [f32]>> {
+        let c = &self.config;
+        let t = tokens.len();
+        if t <= 1 {
+            return match tokens.first() {
+                Some(&tok) => self.forward(state, tok, want_logits),
+                None => Ok(None),
+            };
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(Error::TokenOutOfRange { id, vocab: c.vocab_size });
+        }
+        let pos0 = state.cache.len();
+        if pos0 + t > state.cache.capacity() {
+            return Err(Error::ContextFull { context: state.cache.capacity() });
+        }
+        let (h, q, kv, ff, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim);
+        let isa = Isa::active();
+        let pool = pool::global();
+        let shape = AttnShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: hd };
+        let eps = c.rms_norm_eps;
+        let s = state;
+        s.batch.reserve(c, t);
+        let b = &mut s.batch;
+        // Block buffers, row t for token t:
+        let x = &mut b.x[..t * h]; // (T, hidden) residual stream
+        let hb = &mut b.h[..t * h]; // (T, hidden) normalised input or block output
+        let qb = &mut b.q[..t * q]; // (T, heads * head_dim)
+        let kb = &mut b.k[..t * kv]; // (T, kv_heads * head_dim)
+        let vb = &mut b.v[..t * kv];
+        let att = &mut b.att[..t * q]; // (T, heads * head_dim)
+        let gate = &mut b.gate[..t * ff]; // (T, intermediate)
+        let up = &mut b.up[..t * ff];
+        let (cos, sin) = (&mut b.cos[..t * hd / 2], &mut b.sin[..t * hd / 2]); // (T, head_dim / 2)
+
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.embed_tokens.matrix().row_to_f32(tok as usize, &mut x[i * h..(i + 1) * h]);
+            self.rope.cos_sin(pos0 + i, &mut cos[i * hd / 2..(i + 1) * hd / 2], &mut sin[i * hd / 2..(i + 1) * hd / 2]);
+        }
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
+                rmsnorm(xr, &layer.input_layernorm, eps, hr);
+            }
+            matmuls(
+                pool,
+                hb,
+                [
+                    (layer.q_proj.weight.matrix(), &mut qb[..]),
+                    (layer.k_proj.weight.matrix(), &mut kb[..]),
+                    (layer.v_proj.weight.matrix(), &mut vb[..]),
+                ],
+            );
+            for i in 0..t {
+                let (qr, kr, vr) =
+                    (&mut qb[i * q..(i + 1) * q], &mut kb[i * kv..(i + 1) * kv], &mut vb[i * kv..(i + 1) * kv]);
+                layer.q_proj.add_bias(qr);
+                layer.k_proj.add_bias(kr);
+                layer.v_proj.add_bias(vr);
+                let (cs, sn) = (&cos[i * hd / 2..(i + 1) * hd / 2], &sin[i * hd / 2..(i + 1) * hd / 2]);
+                rope_rotate_half(qr, hd, cs, sn);
+                rope_rotate_half(kr, hd, cs, sn);
+                s.cache.store(li, pos0 + i, kr, vr);
+            }
+            causal_attention(isa, shape, &s.cache, li, pos0, qb, att);
+            matmul(pool, layer.o_proj.weight.matrix(), att, hb);
+            add_assign(x, hb);
+
+            // MLP block.
+            for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
+                rmsnorm(xr, &layer.post_attention_layernorm, eps, hr);
+            }
+            matmul_swiglu(pool, layer.gate_proj.weight.matrix(), layer.up_proj.weight.matrix(), hb, up, gate);
+            matmul(pool, layer.down_proj.weight.matrix(), gate, hb);
+            add_assign(x, hb);
+        }
+        s.cache.advance_by(t);
+        if !want_logits {
+            return Ok(None);
+        }
+        rmsnorm(&x[(t - 1) * h..], &self.norm, eps, &mut s.h);
+        matvec(self.lm_head.matrix(), &s.h, &mut s.logits);
+        Ok(Some(&s.logits))
+    }
+}
+
+thread_local! {
+    /// Each thread's attention scores `(context,)`, reused across calls.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Causal attention for a block of `T` queries at positions `pos0..pos0+T`
+/// (their keys and values already cached): query `i` sees positions
+/// `0..=pos0+i`. Work is split across the pool by (query, head) pairs.
+/// `q`, `out (T, heads * head_dim)`.
+fn causal_attention(
+    isa: Isa,
+    shape: AttnShape,
+    cache: &KvCache,
+    layer: usize,
+    pos0: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let width = shape.n_heads * shape.head_dim;
+    let t = q.len() / width;
+    let items = t * shape.n_heads;
+    let hd = shape.head_dim;
+    let out = SharedMut::new(out);
+    pool::global().run(|th, n| {
+        // Later queries see more positions: interleave items so threads get
+        // similar work.
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            if scores.len() < pos0 + t {
+                scores.resize(pos0 + t, 0.0);
+            }
+            for item in (th..items).step_by(n) {
+                let (i, head) = (item / shape.n_heads, item % shape.n_heads);
+                let (keys, values) = cache.layer(layer, pos0 + i + 1);
+                let o = i * width + head * hd;
+                // SAFETY: each (query, head) pair is one item, owned by one thread.
+                let dst = unsafe { out.range(o, o + hd) };
+                attend_heads(
+                    isa,
+                    shape,
+                    head..head + 1,
+                    &q[i * width..(i + 1) * width],
+                    keys,
+                    values,
+                    &mut scores,
+                    dst,
+                );
+            }
+        });
+    });
+}
+
 /// Attention of one query over the cached positions, heads split across the
 /// pool when the context is long enough to pay for it.
 /// `q`, `out (heads * head_dim,)`, `keys`, `values (len, kv_dim)`, `scores (heads, context)`.
@@ -256,6 +408,45 @@ pub struct State {
     sin: Vec<f32>,
     /// `(vocab,)`
     logits: Vec<f32>,
+    /// Buffers of [`Qwen2::forward_batch`], sized for the largest block seen.
+    batch: Batch,
+}
+
+/// Scratch of a block of `T` tokens; see [`Qwen2::forward_batch`] for shapes.
+#[derive(Default)]
+struct Batch {
+    tokens: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Batch {
+    /// Makes room for `t` tokens (never shrinks).
+    fn reserve(&mut self, c: &Config, t: usize) {
+        if t <= self.tokens {
+            return;
+        }
+        self.tokens = t;
+        let size = |width: usize| vec![0.0; t * width];
+        self.x = size(c.hidden_size);
+        self.h = size(c.hidden_size);
+        self.q = size(c.q_dim());
+        self.k = size(c.kv_dim());
+        self.v = size(c.kv_dim());
+        self.att = size(c.q_dim());
+        self.gate = size(c.intermediate_size);
+        self.up = size(c.intermediate_size);
+        self.cos = size(c.head_dim / 2);
+        self.sin = size(c.head_dim / 2);
+    }
 }
 
 impl State {

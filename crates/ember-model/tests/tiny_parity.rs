@@ -107,3 +107,60 @@ fn generation_ends_when_the_context_is_full() {
     assert_eq!(n, 6);
     assert_eq!(g.stats().stop, Some(ember_model::StopReason::ContextFull));
 }
+
+#[test]
+fn batched_prefill_equals_token_by_token() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let model = load_qwen2(&common::fixtures().join(variant)).unwrap();
+        // Token by token: logits after the whole sequence.
+        let mut one = model.new_state(64);
+        let mut want = Vec::new();
+        for &id in &r.ids {
+            want = model.forward(&mut one, id, true).unwrap().unwrap().to_vec();
+        }
+        // Blocks of several sizes, ragged last block included.
+        for chunk in [2, 3, 7, 20] {
+            let mut state = model.new_state(64);
+            let mut got = Vec::new();
+            for block in r.ids.chunks(chunk) {
+                if let Some(l) = model.forward_batch(&mut state, block, true).unwrap() {
+                    got = l.to_vec();
+                }
+            }
+            assert_eq!(state.len(), r.ids.len());
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (v, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * scale, "{variant} chunk {chunk} token {v}: {a} vs {b}");
+            }
+            // And against transformers at the last position.
+            let last = r.logits.last().unwrap();
+            for (a, b) in got.iter().zip(last) {
+                assert!((a - b).abs() <= TOLERANCE, "{variant} chunk {chunk}: {a} vs transformers {b}");
+            }
+            // The cache a block leaves behind serves the next token.
+            let next = model.forward(&mut state, 7, true).unwrap().unwrap().to_vec();
+            let next_one = model.forward(&mut one, 7, true).unwrap().unwrap().to_vec();
+            let _ = model.forward_batch(&mut one, &[], false);
+            for (a, b) in next.iter().zip(&next_one) {
+                assert!((a - b).abs() <= 1e-5 * scale, "{variant} chunk {chunk}: next token {a} vs {b}");
+            }
+            one.cache.truncate(r.ids.len());
+        }
+    }
+}
+
+#[test]
+fn sessions_prefill_in_chunks() {
+    let r = reference("tiny-untied");
+    let dir = tiny_model("tiny-untied");
+    let model = Model::load(dir.path()).unwrap();
+    for chunk in [1, 4, 512] {
+        let mut s = model.session(64).unwrap();
+        s.set_prefill_chunk(chunk);
+        let options =
+            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false };
+        let ids: Vec<u32> = s.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
+        assert_eq!(ids, r.greedy_ids, "chunk {chunk}");
+    }
+}

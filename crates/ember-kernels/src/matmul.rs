@@ -1,0 +1,357 @@
+//! Matrix-matrix products for prefill: a block of tokens through one weight
+//! matrix. `Y (T, rows) = X (T, cols) @ Wᵀ`, `W (rows, cols)` in its stored
+//! precision.
+//!
+//! Prompt processing is compute-bound: each weight read from memory is used
+//! for every token of the block. Each thread takes a contiguous share of W's
+//! rows (so W is streamed once per token block), widens four rows at a time to
+//! an f32 panel that stays in L1/L2, and runs a register-tiled micro-kernel of
+//! 4 rows × 3 tokens (12 accumulators) over it. Tokens go in blocks of
+//! [`TOKEN_BLOCK`] so the activations a panel meets stay in L2.
+
+use crate::dot::dot_f32_scalar;
+use crate::isa::Isa;
+use crate::matvec::MatRef;
+#[cfg(test)]
+use crate::matvec::Weights;
+use crate::pool::{self, SharedMut, ThreadPool};
+use std::cell::RefCell;
+
+/// Tokens per block: `TOKEN_BLOCK × cols` f32 activations should fit in L2
+/// next to the weight panel (64 × 4864 × 4 B = 1.2 MB for down_proj).
+pub const TOKEN_BLOCK: usize = 64;
+/// Most rows of W per panel (the micro-kernel's height).
+const MR: usize = 8;
+/// Most tokens per micro-kernel call (its width).
+const NR: usize = 3;
+
+/// The micro-kernel's (rows, tokens) for a tier: 4 × 3 for AVX2 (12 of 16
+/// registers accumulate), 8 × 3 for AVX-512 (24 of 32). Taller rather than
+/// wider: each activation row read from L2 then serves more weight rows.
+fn shape_for(isa: Isa) -> (usize, usize) {
+    match isa {
+        Isa::Avx512 => (8, 3),
+        _ => (4, 3),
+    }
+}
+
+/// An output matrix `(T, rows)` written at `y[t * stride + offset + r]`.
+pub struct Out<'a> {
+    data: SharedMut<'a, f32>,
+    stride: usize,
+}
+
+impl<'a> Out<'a> {
+    /// `y (T, stride)`, row-major.
+    pub fn new(y: &'a mut [f32], stride: usize) -> Self {
+        Out { data: SharedMut::new(y), stride }
+    }
+}
+
+/// Reference: `y[t][r] = W[r] · x[t]`, one plain dot product at a time.
+/// `w (rows, cols)`, `x (T, cols)`, `y (T, rows)`.
+pub fn matmul_scalar(w: MatRef, x: &[f32], y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let t = x.len() / cols;
+    assert_eq!(x.len(), t * cols);
+    assert_eq!(y.len(), t * rows);
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        w.row_to_f32(r, &mut row);
+        for i in 0..t {
+            y[i * rows + r] = dot_f32_scalar(&row, &x[i * cols..(i + 1) * cols]);
+        }
+    }
+}
+
+thread_local! {
+    /// Each thread's f32 panel of `MR` widened weight rows, reused across calls.
+    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` on the calling thread with the given tier.
+/// `x (T, cols)`; writes `out[t][r]` for `r` in `rows`.
+fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out: &Out) {
+    let cols = w.cols;
+    let t = x.len() / cols;
+    let (height, width) = shape_for(isa);
+    PANEL.with(|panel| {
+        let mut panel = panel.borrow_mut();
+        panel.resize(MR * cols, 0.0);
+        for tb in (0..t).step_by(TOKEN_BLOCK) {
+            let te = (tb + TOKEN_BLOCK).min(t);
+            for r0 in rows.clone().step_by(height) {
+                let mr = height.min(rows.end - r0);
+                for i in 0..mr {
+                    w.row_to_f32(r0 + i, &mut panel[i * cols..(i + 1) * cols]);
+                }
+                let mut t0 = tb;
+                while t0 < te {
+                    let nr = width.min(te - t0);
+                    let xs = &x[t0 * cols..(t0 + nr) * cols];
+                    let mut acc = [[0.0f32; NR]; MR];
+                    tile(isa, &panel[..mr * cols], mr, xs, nr, cols, &mut acc);
+                    for (i, row) in acc.iter().enumerate().take(mr) {
+                        for (j, &v) in row.iter().enumerate().take(nr) {
+                            // SAFETY: each thread owns the columns `rows` of
+                            // every output row; tiles do not overlap.
+                            unsafe {
+                                out.data.range((t0 + j) * out.stride + r0 + i, (t0 + j) * out.stride + r0 + i + 1)[0] =
+                                    v
+                            };
+                        }
+                    }
+                    t0 += nr;
+                }
+            }
+        }
+    });
+}
+
+/// `acc[i][j] = panel[i] · xs[j]` for `i < mr`, `j < nr`.
+fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, acc: &mut [[f32; NR]; MR]) {
+    #[cfg(target_arch = "x86_64")]
+    if nr == 3 {
+        // SAFETY: tiers are only chosen on CPUs that have them.
+        match (isa, mr) {
+            (Isa::Avx512, 8) => return unsafe { avx512::tile_8x3(panel, xs, cols, acc) },
+            (Isa::Avx2 | Isa::Avx512, 4) => return unsafe { avx2::tile_4x3(panel, xs, cols, acc) },
+            _ => {}
+        }
+    }
+    for i in 0..mr {
+        for j in 0..nr {
+            acc[i][j] = crate::dot::dot_f32(isa, &panel[i * cols..(i + 1) * cols], &xs[j * cols..(j + 1) * cols]);
+        }
+    }
+}
+
+/// Several products with the same input as one parallel section (q/k/v):
+/// `Y_i (T, rows_i) = X (T, cols) @ W_iᵀ`, each thread taking a contiguous
+/// share of the concatenated rows.
+pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mut [f32]); N]) {
+    let isa = Isa::active();
+    let mut total = 0;
+    for (w, y) in &jobs {
+        let t = x.len() / w.cols;
+        assert_eq!(x.len(), t * w.cols, "x is (T, cols)");
+        assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
+        total += w.rows;
+    }
+    let jobs = jobs.map(|(w, y)| (w, Out::new(y, w.rows)));
+    pool.run(|th, n| {
+        let (a, b) = pool::share(total, th, n, MR);
+        let mut offset = 0;
+        for (w, out) in &jobs {
+            let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
+            if lo < hi {
+                matmul_rows(isa, *w, lo - offset..hi - offset, x, out);
+            }
+            offset += w.rows;
+        }
+    });
+}
+
+/// `Y (T, rows) = X (T, cols) @ Wᵀ` with the active tier, rows split across `pool`.
+pub fn matmul(pool: &ThreadPool, w: MatRef, x: &[f32], y: &mut [f32]) {
+    matmuls(pool, x, [(w, y)]);
+}
+
+/// `Y (T, rows) = X @ Wᵀ` on the calling thread with the given tier.
+pub fn matmul_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
+    let t = x.len() / w.cols;
+    assert_eq!(x.len(), t * w.cols, "x is (T, cols)");
+    assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
+    let out = Out::new(y, w.rows);
+    matmul_rows(isa, w, 0..w.rows, x, &out);
+}
+
+/// SwiGLU's first half for a block: `out = silu(X @ gateᵀ) * (X @ upᵀ)`.
+/// `x (T, cols)`, `out` and `up_scratch (T, rows)`. Each thread computes the
+/// same share of rows of both products, then gates its own columns, so the
+/// pool runs once.
+pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_scratch: &mut [f32], out: &mut [f32]) {
+    assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "gate and up shapes");
+    let (rows, cols) = (gate.rows, gate.cols);
+    let t = x.len() / cols;
+    assert_eq!(x.len(), t * cols, "x is (T, cols)");
+    assert_eq!(out.len(), t * rows, "out is (T, rows)");
+    assert_eq!(up_scratch.len(), t * rows, "up_scratch is (T, rows)");
+    let isa = Isa::active();
+    let (g, u) = (Out::new(out, rows), Out::new(up_scratch, rows));
+    pool.run(|th, n| {
+        let (a, b) = pool::share(rows, th, n, MR);
+        if a == b {
+            return;
+        }
+        matmul_rows(isa, gate, a..b, x, &g);
+        matmul_rows(isa, up, a..b, x, &u);
+        for i in 0..t {
+            // SAFETY: this thread owns columns a..b of every row.
+            let (gs, us) =
+                unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
+            gs.iter_mut().zip(us.iter()).for_each(|(g, u)| *g = crate::matvec::silu(*g) * u);
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{MR, NR};
+    use crate::dot::avx2::hsum;
+    use std::arch::x86_64::*;
+
+    /// The 4 × 3 micro-kernel: twelve 8-lane accumulators over the columns.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_4x3(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
+        // This kernel fills the first 4 × 3 entries of `acc`.
+        const N3: usize = 3;
+        const M4: usize = 4;
+        debug_assert!(panel.len() >= M4 * cols && xs.len() >= N3 * cols);
+        let w = [panel.as_ptr(), panel.as_ptr().add(cols), panel.as_ptr().add(2 * cols), panel.as_ptr().add(3 * cols)];
+        let x = [xs.as_ptr(), xs.as_ptr().add(cols), xs.as_ptr().add(2 * cols)];
+        let mut c = [[_mm256_setzero_ps(); N3]; M4];
+        let mut k = 0;
+        while k + 8 <= cols {
+            let xv = [_mm256_loadu_ps(x[0].add(k)), _mm256_loadu_ps(x[1].add(k)), _mm256_loadu_ps(x[2].add(k))];
+            for i in 0..M4 {
+                let wv = _mm256_loadu_ps(w[i].add(k));
+                for j in 0..N3 {
+                    c[i][j] = _mm256_fmadd_ps(wv, xv[j], c[i][j]);
+                }
+            }
+            k += 8;
+        }
+        for i in 0..M4 {
+            for j in 0..N3 {
+                let mut s = hsum(c[i][j]);
+                for kk in k..cols {
+                    s += *w[i].add(kk) * *x[j].add(kk);
+                }
+                acc[i][j] = s;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    /// The 8 × 3 micro-kernel: twenty-four 16-lane accumulators.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_8x3(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
+        debug_assert!(panel.len() >= MR * cols && xs.len() >= NR * cols);
+        let w: [*const f32; MR] = std::array::from_fn(|i| panel.as_ptr().add(i * cols));
+        let x: [*const f32; NR] = std::array::from_fn(|j| xs.as_ptr().add(j * cols));
+        let mut c = [[_mm512_setzero_ps(); NR]; MR];
+        let mut k = 0;
+        while k + 16 <= cols {
+            let xv: [__m512; NR] = std::array::from_fn(|j| _mm512_loadu_ps(x[j].add(k)));
+            for i in 0..MR {
+                let wv = _mm512_loadu_ps(w[i].add(k));
+                for j in 0..NR {
+                    c[i][j] = _mm512_fmadd_ps(wv, xv[j], c[i][j]);
+                }
+            }
+            k += 16;
+        }
+        for i in 0..MR {
+            for j in 0..NR {
+                let mut s = _mm512_reduce_add_ps(c[i][j]);
+                for kk in k..cols {
+                    s += *w[i].add(kk) * *x[j].add(kk);
+                }
+                acc[i][j] = s;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dot::tests::synth;
+    use half::{bf16, f16};
+
+    #[test]
+    fn every_tier_and_dtype_matches_the_reference() {
+        // Shapes with ragged edges in rows (mod 4), tokens (mod 3, and past a
+        // token block) and columns (mod 8).
+        for (rows, cols, t) in [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4)] {
+            let w = synth(rows * cols, rows as u64);
+            let x = synth(t * cols, t as u64 + 99);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            for weights in [Weights::F32(&w), Weights::Bf16(&wb), Weights::F16(&wh)] {
+                let m = MatRef::new(weights, rows, cols);
+                let mut want = vec![0.0; t * rows];
+                matmul_scalar(m, &x, &mut want);
+                for isa in Isa::supported() {
+                    let mut y = vec![f32::NAN; t * rows];
+                    matmul_with(isa, m, &x, &mut y);
+                    for (a, b) in y.iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (cols as f32).max(1.0),
+                            "{isa:?} {rows}x{cols} t={t}: {a} vs {b}"
+                        );
+                    }
+                }
+                for threads in [1, 2, 3] {
+                    let mut y = vec![f32::NAN; t * rows];
+                    matmul(&ThreadPool::new(threads), m, &x, &mut y);
+                    let mut serial = vec![0.0; t * rows];
+                    matmul_with(Isa::active(), m, &x, &mut serial);
+                    assert_eq!(y, serial, "threads={threads}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_block_matches_separate_steps() {
+        let (rows, cols, t) = (21, 48, 5);
+        let (g, u) = (synth(rows * cols, 11), synth(rows * cols, 12));
+        let x = synth(t * cols, 13);
+        let (gm, um) = (MatRef::new(Weights::F32(&g), rows, cols), MatRef::new(Weights::F32(&u), rows, cols));
+        let (mut gy, mut uy) = (vec![0.0; t * rows], vec![0.0; t * rows]);
+        matmul_with(Isa::active(), gm, &x, &mut gy);
+        matmul_with(Isa::active(), um, &x, &mut uy);
+        let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| crate::matvec::silu(*g) * u).collect();
+        for threads in [1, 2, 4] {
+            let (mut out, mut scratch) = (vec![0.0; t * rows], vec![0.0; t * rows]);
+            matmul_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut scratch, &mut out);
+            assert_eq!(out, want, "threads={threads}");
+        }
+    }
+
+    #[test]
+    fn one_token_equals_the_matvec() {
+        let (rows, cols) = (37, 100);
+        let w = synth(rows * cols, 3);
+        let x = synth(cols, 4);
+        let m = MatRef::new(Weights::F32(&w), rows, cols);
+        let mut a = vec![0.0; rows];
+        let mut b = vec![0.0; rows];
+        matmul_scalar(m, &x, &mut a);
+        crate::matvec::matvec_with(Isa::Scalar, m, &x, &mut b);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn fused_products_equal_separate_ones() {
+        let cols = 40;
+        let t = 5;
+        let (wa, wb) = (synth(12 * cols, 1), synth(8 * cols, 2));
+        let x = synth(t * cols, 3);
+        let (ma, mb) = (MatRef::new(Weights::F32(&wa), 12, cols), MatRef::new(Weights::F32(&wb), 8, cols));
+        let pool = ThreadPool::new(2);
+        let (mut ya, mut yb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
+        matmuls(&pool, &x, [(ma, &mut ya[..]), (mb, &mut yb[..])]);
+        let (mut ra, mut rb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
+        matmul_with(Isa::active(), ma, &x, &mut ra);
+        matmul_with(Isa::active(), mb, &x, &mut rb);
+        assert_eq!((ya, yb), (ra, rb));
+    }
+}
