@@ -52,6 +52,11 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_CONTEXT)]
     ctx: usize,
 
+    /// Stop when the output contains this text (repeatable); the text is cut
+    /// just before it.
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
+
     /// Prompt tokens run through the model at once (1 = token by token).
     #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
     prefill_chunk: usize,
@@ -154,7 +159,7 @@ pub fn run(args: Args) -> Result<()> {
     let prompt_ids = model.encode(&prompt)?;
     let sampler = sampler_config(&args, &model);
     let seed = sampler.seed;
-    let options = GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true };
+    let options = GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
     let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
     if args.prefill_chunk == 0 {
         anyhow::bail!("--prefill-chunk must be at least 1");
@@ -186,6 +191,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(StopReason::Eos) => "eos",
         Some(StopReason::MaxTokens) => "max_tokens",
         Some(StopReason::ContextFull) => "context_full",
+        Some(StopReason::StopString) => "stop_string",
         None => "none",
     };
     if args.json {

@@ -105,11 +105,14 @@ pub struct GenerateOptions {
     pub sampler: SamplerConfig,
     /// Stop on the model's EOS ids.
     pub stop_at_eos: bool,
+    /// Stop when the text contains any of these; the text streamed stops just
+    /// before it (text that might begin one is held back until it cannot).
+    pub stop_strings: Vec<String>,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_tokens: 256, sampler: SamplerConfig::greedy(), stop_at_eos: true }
+        GenerateOptions { max_tokens: 256, sampler: SamplerConfig::greedy(), stop_at_eos: true, stop_strings: Vec::new() }
     }
 }
 
@@ -135,6 +138,8 @@ pub enum StopReason {
     MaxTokens,
     /// The context is full.
     ContextFull,
+    /// The text reached one of the stop strings.
+    StopString,
 }
 
 /// Timings and counts of one `generate` call.
@@ -148,6 +153,8 @@ pub struct Stats {
     pub decode: Duration,
     /// New tokens produced (including an EOS).
     pub generated: usize,
+    /// Cached tokens reused from earlier turns (see [`Session::generate_from`]).
+    pub reused_tokens: usize,
     pub stop: Option<StopReason>,
 }
 
@@ -214,6 +221,41 @@ impl<'m> Session<'m> {
         self.pending.clear();
     }
 
+    /// Forgets every token after the first `len` of the context (cached or
+    /// pending); their cache entries are overwritten later.
+    pub fn rewind(&mut self, len: usize) {
+        if len <= self.tokens.len() {
+            self.tokens.truncate(len);
+            self.state.cache.truncate(len);
+            self.pending.clear();
+        } else {
+            self.pending.truncate(len - self.tokens.len());
+        }
+    }
+
+    /// Starts generating after `all`, the whole conversation so far (say, a
+    /// chat template rendered again with the new user message). Only the
+    /// tokens that differ from what the session holds are run: the longest
+    /// common prefix is kept, the rest of the cache is discarded. The reused
+    /// count is in [`Stats::reused_tokens`].
+    pub fn generate_from<'s>(&'s mut self, all: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
+        let held = self.tokens.iter().chain(&self.pending);
+        let mut common = held.zip(all).take_while(|(a, b)| a == b).count();
+        if common == all.len() {
+            // Nothing new: run the last token again to get its logits.
+            common = common.saturating_sub(1);
+        }
+        if all.len() > self.capacity() {
+            return Err(Error::PromptTooLong {
+                prompt: all.len(),
+                context: self.capacity(),
+                max: self.model.config().max_position_embeddings,
+            });
+        }
+        self.rewind(common);
+        self.generate(&all[common..], options)
+    }
+
     /// Starts generating after `prompt`, which continues what the session
     /// already holds. Tokens stream from the returned iterator.
     pub fn generate<'s>(&'s mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
@@ -238,6 +280,7 @@ impl<'m> Session<'m> {
         }
         let sampler = Sampler::new(options.sampler.clone())?;
         let vocab_len = self.model.config().vocab_size;
+        let reused = self.tokens.len();
         Ok(Generation {
             session: self,
             sampler,
@@ -247,7 +290,8 @@ impl<'m> Session<'m> {
             scratch: vec![0.0; vocab_len],
             history: Vec::new(),
             stream: TextStream::new(),
-            stats: Stats::default(),
+            held: String::new(),
+            stats: Stats { reused_tokens: reused, ..Stats::default() },
             done: false,
         })
     }
@@ -282,6 +326,8 @@ pub struct Generation<'s, 'm> {
     /// Tokens of the session plus those generated, for penalties.
     history: Vec<u32>,
     stream: TextStream,
+    /// Text held back because it may begin a stop string.
+    held: String,
     stats: Stats,
     done: bool,
 }
@@ -325,18 +371,64 @@ impl Generation<'_, '_> {
         self.stats.generated += 1;
         let model = self.session.model;
         let is_eos = self.options.stop_at_eos && model.eos_token_ids().contains(&id);
-        let mut text = self.stream.push(&model.tokenizer, id)?;
+        let delta = self.stream.push(&model.tokenizer, id)?;
         // The sampled token runs at the next step (or waits in the session).
         self.todo.clear();
         self.todo.push(id);
-        if is_eos {
-            text.push_str(&self.stream.finish(&model.tokenizer)?);
-            self.stop(StopReason::Eos);
+        let end = if is_eos {
+            Some(StopReason::Eos)
         } else if self.stats.generated >= self.options.max_tokens {
-            text.push_str(&self.stream.finish(&model.tokenizer)?);
-            self.stop(StopReason::MaxTokens);
+            Some(StopReason::MaxTokens)
+        } else if self.session.tokens.len() + self.todo.len() > self.session.capacity() {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        };
+        let mut delta = delta;
+        if end.is_some() {
+            delta.push_str(&self.stream.finish(&model.tokenizer)?);
+        }
+        let (text, hit) = self.stop_filter(delta, end.is_some());
+        match (hit, end) {
+            (true, _) => {
+                self.stop(StopReason::StopString);
+            }
+            (false, Some(reason)) => {
+                self.stop(reason);
+            }
+            (false, None) => {}
         }
         Ok(Some(Token { id, text, is_eos }))
+    }
+
+    /// Applies the stop strings to a text delta: returns the text safe to
+    /// emit and whether a stop string was reached. Text that could be the
+    /// start of a stop string is held back until it is not (or `last`).
+    fn stop_filter(&mut self, delta: String, last: bool) -> (String, bool) {
+        if self.options.stop_strings.is_empty() {
+            return (delta, false);
+        }
+        self.held.push_str(&delta);
+        let hit = self.options.stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(i) = hit {
+            let out = self.held[..i].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        if last {
+            return (std::mem::take(&mut self.held), false);
+        }
+        // The longest tail of the held text that some stop string starts with.
+        let keep = self
+            .options
+            .stop_strings
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&k| s.is_char_boundary(k) && self.held.ends_with(&s[..k])))
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let rest = self.held.split_off(cut);
+        (std::mem::replace(&mut self.held, rest), false)
     }
 
     fn stop(&mut self, reason: StopReason) -> Option<Token> {

@@ -88,6 +88,21 @@ impl Tokenizer {
         let t = self.template.as_ref().ok_or_else(|| Error::Template("this model has no chat template".into()))?;
         t.render(messages, add_generation_prompt)
     }
+
+    /// [`Tokenizer::apply_chat_template`] with tool definitions (a JSON array
+    /// of OpenAI-style function specs), for templates that render them.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let t = self
+            .template
+            .as_ref()
+            .ok_or_else(|| Error::Template("this model has no chat template".into()))?;
+        t.render_with_tools(messages, tools, add_generation_prompt)
+    }
 }
 
 /// A Jinja chat template with the special tokens it may refer to.
@@ -154,11 +169,25 @@ impl ChatTemplate {
 
     /// Renders `messages`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with optional tool definitions (`tools` in the
+    /// template, as transformers passes them).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template("chat").map_err(|e| Error::Template(describe(&e)))?;
         let mut ctx: std::collections::BTreeMap<String, Value> =
             self.special.iter().map(|(k, v)| (k.clone(), Value::from(v.as_str()))).collect();
         ctx.insert("messages".into(), Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        if let Some(tools) = tools {
+            ctx.insert("tools".into(), Value::from_serialize(tools));
+        }
         tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
     }
 }

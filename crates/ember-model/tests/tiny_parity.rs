@@ -38,7 +38,7 @@ fn greedy_generation_matches_transformers() {
         let model = Model::load(dir.path()).unwrap();
         let mut session = model.session(64).unwrap();
         let options =
-            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false };
+            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
         let ids: Vec<u32> = session.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "{variant}");
     }
@@ -51,7 +51,7 @@ fn a_session_continues_where_it_left_off() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false };
+    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
 
     let mut s = model.session(128).unwrap();
     let first: Vec<u32> = s.generate(&r.ids[..10], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
@@ -74,7 +74,7 @@ fn seeded_sampling_is_reproducible() {
     let model = Model::load(dir.path()).unwrap();
     let run = |seed| {
         let sampler = SamplerConfig { temperature: 0.9, top_k: 40, top_p: 0.95, seed, ..Default::default() };
-        let options = GenerateOptions { max_tokens: 24, sampler, stop_at_eos: false };
+        let options = GenerateOptions { max_tokens: 24, sampler, stop_at_eos: false, ..Default::default() };
         let mut s = model.session(64).unwrap();
         s.generate(&[17, 42, 5], options).unwrap().map(|t| t.unwrap().id).collect::<Vec<u32>>()
     };
@@ -98,7 +98,7 @@ fn generation_ends_when_the_context_is_full() {
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
     let mut s = model.session(8).unwrap();
-    let options = GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false };
+    let options = GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
     let mut g = s.generate(&[17, 42, 5], options).unwrap();
     let tokens: Vec<_> = (&mut g).collect::<Result<_, _>>().unwrap();
     let n = tokens.len();
@@ -159,8 +159,71 @@ fn sessions_prefill_in_chunks() {
         let mut s = model.session(64).unwrap();
         s.set_prefill_chunk(chunk);
         let options =
-            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false };
+            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
         let ids: Vec<u32> = s.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "chunk {chunk}");
     }
+}
+
+/// The tiny model's word tokenizer decodes ids as "w<id>" joined by spaces.
+fn words(ids: &[u32]) -> String {
+    ids.iter().map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn stop_strings_end_generation_before_the_string() {
+    let r = reference("tiny-tied");
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    let greedy = |stop: Vec<String>| GenerateOptions {
+        max_tokens: r.greedy_ids.len(),
+        sampler: SamplerConfig::greedy(),
+        stop_at_eos: false,
+        stop_strings: stop,
+    };
+    // Without stop strings: the full greedy text.
+    let mut s = model.session(64).unwrap();
+    let full: String = s.generate(&r.ids, greedy(vec![])).unwrap().map(|t| t.unwrap().text).collect();
+    assert_eq!(full.trim(), words(&r.greedy_ids));
+    // Stop at the 4th generated word: the text ends just before it, and the
+    // pieces streamed never include any of it.
+    let target = format!("w{}", r.greedy_ids[3]);
+    let expected_end = full.find(&format!(" {target}")).map(|i| i + 1).unwrap_or_else(|| full.find(&target).unwrap());
+    let mut s = model.session(64).unwrap();
+    let mut g = s.generate(&r.ids, greedy(vec![target.clone(), "never-appears".into()])).unwrap();
+    let mut text = String::new();
+    for t in &mut g {
+        text.push_str(&t.unwrap().text);
+    }
+    assert_eq!(g.stats().stop, Some(ember_model::StopReason::StopString));
+    assert_eq!(text, full[..expected_end]);
+    assert!(!text.contains(&target));
+}
+
+#[test]
+fn generate_from_reuses_the_common_prefix() {
+    let r = reference("tiny-tied");
+    let dir = tiny_model("tiny-tied");
+    let model = Model::load(dir.path()).unwrap();
+    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let mut s = model.session(128).unwrap();
+    let first: Vec<u32> = s.generate_from(&r.ids[..12], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
+    // The next "turn" shares the first 10 tokens, then differs.
+    let mut all = r.ids[..10].to_vec();
+    all.extend([40, 41, 42, 43]);
+    let mut g = s.generate_from(&all, greedy(4)).unwrap();
+    let second: Vec<u32> = (&mut g).map(|t| t.unwrap().id).collect();
+    assert_eq!(g.stats().reused_tokens, 10);
+    assert_eq!(g.stats().prompt_tokens, 4);
+    drop(g);
+    let mut fresh = model.session(128).unwrap();
+    let again: Vec<u32> = fresh.generate(&all, greedy(4)).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(second, again);
+    assert_eq!(first.len(), 3);
+    // Continuing exactly where it stopped reuses everything but the pending token.
+    let mut cont = all.clone();
+    cont.extend(&second);
+    cont.push(5);
+    let g = s.generate_from(&cont, greedy(1)).unwrap();
+    assert_eq!(g.stats().reused_tokens, all.len() + 3);
 }
