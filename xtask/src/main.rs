@@ -1,6 +1,7 @@
 //! ember's task runner (`cargo xtask <task>`): the build system glue that is
 //! not Rust compilation. See `cargo xtask help`.
 
+mod e2e;
 mod fetch;
 mod parity;
 mod test;
@@ -19,6 +20,8 @@ tasks:
   parity [--model DIR] [--reference FILE]
                             greedy ids and top-10 logits against transformers' reference
                             (default fixtures/reference/greedy.jsonl)
+  e2e                       the ember binary end to end on the real model: seeded
+                            sampling, a piped two-turn chat
   test                      the whole suite: fetch, `cargo test --workspace` under every
                             instruction-set tier this CPU has, then parity
   help                      this text
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
     let result = match task {
         "fetch" => fetch::run(rest),
         "parity" => parity::run(rest),
+        "e2e" => e2e::run(rest),
         "test" => test::run(rest),
         "help" | "-h" | "--help" => {
             print!("{HELP}");

@@ -4,7 +4,8 @@
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, then the best tier), so every SIMD kernel and the
 //!    whole model run under each;
-//! 3. `cargo xtask parity` on the real model.
+//! 3. `cargo xtask parity` on the real model;
+//! 4. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model.
 
 use anyhow::{bail, Context, Result};
 use std::process::Command;
@@ -30,5 +31,6 @@ pub fn run(args: &[String]) -> Result<()> {
             bail!("cargo test --workspace failed with EMBER_ISA={tier}");
         }
     }
-    crate::parity::run(&[])
+    crate::parity::run(&[])?;
+    crate::e2e::run(&[])
 }

@@ -1,8 +1,9 @@
 //! The default command: generate text from a prompt.
 
+use crate::sampling::SamplingArgs;
 use crate::{init_threads, model_dir};
 use anyhow::{Context, Result};
-use ember_model::{GenerateOptions, Message, Model, SamplerConfig, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{GenerateOptions, Message, Model, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -28,25 +29,8 @@ pub struct Args {
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
 
-    /// Sampling temperature; 0 is greedy. Default: the model's generation_config.json, else 1.0.
-    #[arg(long)]
-    temperature: Option<f32>,
-
-    /// Keep only the K most likely tokens (0 = off). Default: generation_config.json.
-    #[arg(long)]
-    top_k: Option<usize>,
-
-    /// Keep the smallest set of tokens whose probability reaches P (1 = off). Default: generation_config.json.
-    #[arg(long)]
-    top_p: Option<f32>,
-
-    /// Divide positive logits of recent tokens by this (1 = off). Default: generation_config.json.
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-
-    /// Random seed for sampling (default: from the clock; printed with the stats).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
 
     /// Context size in tokens (prompt + output).
     #[arg(long, default_value_t = DEFAULT_CONTEXT)]
@@ -72,44 +56,6 @@ pub struct Args {
     /// With --json, also report the N highest logits at the prompt's last position.
     #[arg(long, value_name = "N", requires = "json")]
     top_logits: Option<usize>,
-}
-
-fn sampler_config(args: &Args, model: &Model) -> SamplerConfig {
-    let g = &model.generation_config;
-    // generation_config.json's values apply only when it samples at all.
-    let sampling = g.do_sample.unwrap_or(true);
-    let mut c = SamplerConfig::default();
-    if sampling {
-        c.temperature = g.temperature.unwrap_or(c.temperature);
-        c.top_k = g.top_k.unwrap_or(c.top_k);
-        c.top_p = g.top_p.unwrap_or(c.top_p);
-        c.min_p = g.min_p.unwrap_or(c.min_p);
-    } else {
-        c.temperature = 0.0;
-    }
-    c.repetition_penalty = g.repetition_penalty.unwrap_or(c.repetition_penalty);
-    if let Some(t) = args.temperature {
-        c.temperature = t;
-    }
-    if let Some(k) = args.top_k {
-        c.top_k = k;
-    }
-    if let Some(p) = args.top_p {
-        c.top_p = p;
-    }
-    // `--temperature 0` is plain greedy decoding, as transformers'
-    // `do_sample=False` reference: the model's default penalty applies only
-    // when sampling, or when asked for explicitly.
-    if c.temperature == 0.0 {
-        c.repetition_penalty = 1.0;
-    }
-    if let Some(r) = args.repetition_penalty {
-        c.repetition_penalty = r;
-    }
-    c.seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-    });
-    c
 }
 
 #[derive(serde::Serialize)]
@@ -157,9 +103,10 @@ pub fn run(args: Args) -> Result<()> {
         user_prompt
     };
     let prompt_ids = model.encode(&prompt)?;
-    let sampler = sampler_config(&args, &model);
+    let sampler = args.sampling.config(&model);
     let seed = sampler.seed;
-    let options = GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
+    let options =
+        GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
     let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
     if args.prefill_chunk == 0 {
         anyhow::bail!("--prefill-chunk must be at least 1");

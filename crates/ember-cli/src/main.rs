@@ -3,13 +3,16 @@
 //! ```text
 //! ember --prompt "The capital of France is" --temperature 0 --max-tokens 16
 //! ember --chat --prompt "Write a haiku about Rust."
+//! ember chat --system "You are terse."
 //! ember bench -p 128,512 -n 64 -r 3 -t 2
 //! ```
 //!
 //! Text streams to stdout as it is generated; timings go to stderr.
 
 mod bench;
+mod chat;
 mod generate;
+mod sampling;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -33,6 +36,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Chat with the model: each line you type is a turn; the conversation is kept.
+    Chat(chat::Args),
     /// Measure prompt processing and generation speed (like llama-bench).
     Bench(bench::Args),
 }
@@ -41,6 +46,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Bench(args)) => bench::run(args),
+        Some(Command::Chat(args)) => chat::run(args),
         None => generate::run(cli.generate),
     };
     match result {

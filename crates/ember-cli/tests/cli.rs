@@ -30,7 +30,10 @@ fn make_tiny_model() -> PathBuf {
         "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}
     });
     std::fs::write(tmp.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let config = serde_json::json!({"chat_template": "{% for m in messages %}w3 {{ m.content }} w4 {% endfor %}w5"});
+    // ChatML-like: the generation prompt (w5) begins the assistant's turn as
+    // rendered later, so a conversation's renderings extend each other.
+    let template = "{% for m in messages %}{% if m.role == 'assistant' %}w5 {{ m.content }} w4 {% else %}w3 {{ m.content }} w4 {% endif %}{% endfor %}{% if add_generation_prompt %}w5{% endif %}";
+    let config = serde_json::json!({ "chat_template": template });
     std::fs::write(tmp.join("tokenizer_config.json"), config.to_string()).unwrap();
     tmp
 }
@@ -139,4 +142,45 @@ fn corrupt_weights() {
     let out = ember(&["--model", broken.to_str().unwrap(), "--prompt", "w1"]);
     let _ = std::fs::remove_dir_all(&broken);
     assert_clean_failure(&out, "model.safetensors");
+}
+
+#[test]
+fn piped_chat_keeps_the_conversation() {
+    use std::io::Write;
+    let model = tiny_model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(["chat", "--model", model.to_str().unwrap(), "--temperature", "0", "-n", "3", "--json"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"w10 w11 w12\nw13 w14\n/reset\nw15\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let turns: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(turns.len(), 3);
+    let n = |t: &serde_json::Value, k: &str| t[k].as_u64().unwrap();
+    // Turn 1 runs everything; turn 2 reuses turn 1's prompt and reply.
+    assert_eq!(n(&turns[0], "reused_tokens"), 0);
+    assert_eq!(n(&turns[1], "reused_tokens") + n(&turns[1], "prefill_tokens"), n(&turns[1], "prompt_tokens"));
+    assert!(n(&turns[1], "reused_tokens") >= n(&turns[0], "prompt_tokens"));
+    // After /reset nothing is reused.
+    assert_eq!(n(&turns[2], "reused_tokens"), 0);
+}
+
+#[test]
+fn stop_strings_cut_the_output() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let full = ember(&["--model", m, "--prompt", "w17 w42 w5", "--temperature", "0", "-n", "6", "--json"]);
+    let full: serde_json::Value = serde_json::from_slice(&full.stdout).unwrap();
+    let text = full["text"].as_str().unwrap().to_string();
+    let third = text.split_whitespace().nth(2).unwrap().to_string();
+    let out =
+        ember(&["--model", m, "--prompt", "w17 w42 w5", "--temperature", "0", "-n", "6", "--json", "--stop", &third]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["stop"], "stop_string");
+    assert_eq!(v["text"].as_str().unwrap(), &text[..text.find(&third).unwrap()]);
 }

@@ -112,7 +112,12 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_tokens: 256, sampler: SamplerConfig::greedy(), stop_at_eos: true, stop_strings: Vec::new() }
+        GenerateOptions {
+            max_tokens: 256,
+            sampler: SamplerConfig::greedy(),
+            stop_at_eos: true,
+            stop_strings: Vec::new(),
+        }
     }
 }
 
@@ -409,7 +414,8 @@ impl Generation<'_, '_> {
             return (delta, false);
         }
         self.held.push_str(&delta);
-        let hit = self.options.stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.held.find(s.as_str())).min();
+        let hit =
+            self.options.stop_strings.iter().filter(|s| !s.is_empty()).filter_map(|s| self.held.find(s.as_str())).min();
         if let Some(i) = hit {
             let out = self.held[..i].to_string();
             self.held.clear();

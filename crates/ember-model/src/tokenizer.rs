@@ -97,10 +97,7 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let t = self
-            .template
-            .as_ref()
-            .ok_or_else(|| Error::Template("this model has no chat template".into()))?;
+        let t = self.template.as_ref().ok_or_else(|| Error::Template("this model has no chat template".into()))?;
         t.render_with_tools(messages, tools, add_generation_prompt)
     }
 }

@@ -37,8 +37,12 @@ fn greedy_generation_matches_transformers() {
         let dir = tiny_model(variant);
         let model = Model::load(dir.path()).unwrap();
         let mut session = model.session(64).unwrap();
-        let options =
-            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+        let options = GenerateOptions {
+            max_tokens: r.greedy_ids.len(),
+            sampler: SamplerConfig::greedy(),
+            stop_at_eos: false,
+            ..Default::default()
+        };
         let ids: Vec<u32> = session.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "{variant}");
     }
@@ -51,7 +55,12 @@ fn a_session_continues_where_it_left_off() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let greedy = |n| GenerateOptions {
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop_at_eos: false,
+        ..Default::default()
+    };
 
     let mut s = model.session(128).unwrap();
     let first: Vec<u32> = s.generate(&r.ids[..10], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
@@ -98,7 +107,8 @@ fn generation_ends_when_the_context_is_full() {
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
     let mut s = model.session(8).unwrap();
-    let options = GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let options =
+        GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
     let mut g = s.generate(&[17, 42, 5], options).unwrap();
     let tokens: Vec<_> = (&mut g).collect::<Result<_, _>>().unwrap();
     let n = tokens.len();
@@ -158,8 +168,12 @@ fn sessions_prefill_in_chunks() {
     for chunk in [1, 4, 512] {
         let mut s = model.session(64).unwrap();
         s.set_prefill_chunk(chunk);
-        let options =
-            GenerateOptions { max_tokens: r.greedy_ids.len(), sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+        let options = GenerateOptions {
+            max_tokens: r.greedy_ids.len(),
+            sampler: SamplerConfig::greedy(),
+            stop_at_eos: false,
+            ..Default::default()
+        };
         let ids: Vec<u32> = s.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "chunk {chunk}");
     }
@@ -205,7 +219,12 @@ fn generate_from_reuses_the_common_prefix() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let greedy = |n| GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let greedy = |n| GenerateOptions {
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop_at_eos: false,
+        ..Default::default()
+    };
     let mut s = model.session(128).unwrap();
     let first: Vec<u32> = s.generate_from(&r.ids[..12], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
     // The next "turn" shares the first 10 tokens, then differs.

@@ -1,0 +1,249 @@
+//! `ember chat`: a multi-turn conversation in the terminal (or from a pipe,
+//! one line per turn).
+//!
+//! Each turn renders the whole conversation with the model's chat template
+//! and hands it to [`Session::generate_from`], which keeps the KV cache of
+//! everything that did not change and runs only the new tokens. Ctrl-C stops
+//! the reply being written; `/reset` forgets the conversation; `/exit` or
+//! end of input leaves.
+
+use crate::sampling::SamplingArgs;
+use crate::{init_threads, model_dir};
+use anyhow::{bail, Context, Result};
+use ember_model::{GenerateOptions, Message, Model, Role, Session, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set by Ctrl-C; the reply being generated stops at the next token.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// System message (default: the chat template's own).
+    #[arg(long)]
+    system: Option<String>,
+
+    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+
+    /// Maximum tokens per reply.
+    #[arg(short = 'n', long, default_value_t = 1024)]
+    max_tokens: usize,
+
+    #[command(flatten)]
+    sampling: SamplingArgs,
+
+    /// Stop a reply when it contains this text (repeatable).
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
+
+    /// Context size in tokens for the whole conversation.
+    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
+    ctx: usize,
+
+    /// What to do when the next turn would not fit in the context: drop the
+    /// oldest turns (keeping the system message), or stop and say so.
+    #[arg(long, value_enum, default_value_t = OnFull::Drop)]
+    context_full: OnFull,
+
+    /// Prompt tokens run through the model at once.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
+    prefill_chunk: usize,
+
+    /// Worker threads (default: the number of physical CPU cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+
+    /// Print one JSON object per turn instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum OnFull {
+    Drop,
+    Stop,
+}
+
+#[derive(serde::Serialize)]
+struct TurnJson<'a> {
+    turn: usize,
+    text: &'a str,
+    ids: &'a [u32],
+    /// Tokens of the conversation as rendered for this turn.
+    prompt_tokens: usize,
+    /// Of those, tokens whose cache was reused from earlier turns.
+    reused_tokens: usize,
+    /// Of those, tokens run through the model for this turn.
+    prefill_tokens: usize,
+    dropped_turns: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    stop: &'static str,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    init_threads(args.threads)?;
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    let dir = model_dir(args.model.clone())?;
+    let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let sampler = args.sampling.config(&model);
+    ember_model::Sampler::new(sampler.clone())?;
+    let options =
+        GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
+    let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
+    session.set_prefill_chunk(args.prefill_chunk);
+    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
+
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "ember chat: {} · {} tokens of context · /reset to start over, /exit or Ctrl-D to leave, Ctrl-C stops a reply",
+            dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned()),
+            session.capacity()
+        );
+    }
+    let base: Vec<Message> = args.system.iter().map(|s| Message::system(s.clone())).collect();
+    let mut messages = base.clone();
+    let mut turn = 0;
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock();
+    let mut line = String::new();
+    loop {
+        if interactive {
+            eprint!("> ");
+            std::io::stderr().flush()?;
+        }
+        line.clear();
+        if lines.read_line(&mut line)? == 0 {
+            break;
+        }
+        let input = line.trim_end_matches(['\n', '\r']);
+        match input.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = base.clone();
+                session.reset();
+                eprintln!("(conversation forgotten)");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message::user(input));
+        let Some((ids, dropped)) = fit(&model, &session, &mut messages, base.len(), args.context_full)? else {
+            continue;
+        };
+        turn += 1;
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        let mut generation = session.generate_from(&ids, options.clone())?;
+        let mut reply = String::new();
+        let mut reply_ids = Vec::new();
+        let stdout = std::io::stdout();
+        let mut out = stdout.lock();
+        let mut interrupted = false;
+        for token in &mut generation {
+            let token = token?;
+            reply_ids.push(token.id);
+            reply.push_str(&token.text);
+            if !args.json {
+                out.write_all(token.text.as_bytes())?;
+                out.flush()?;
+            }
+            if INTERRUPTED.swap(false, Ordering::SeqCst) {
+                interrupted = true;
+                break;
+            }
+        }
+        let stats = generation.stats().clone();
+        drop(generation);
+        let stop = match (interrupted, stats.stop) {
+            (true, _) => "interrupted",
+            (_, Some(StopReason::Eos)) => "eos",
+            (_, Some(StopReason::MaxTokens)) => "max_tokens",
+            (_, Some(StopReason::ContextFull)) => "context_full",
+            (_, Some(StopReason::StopString)) => "stop_string",
+            (_, None) => "none",
+        };
+        if args.json {
+            let j = TurnJson {
+                turn,
+                text: &reply,
+                ids: &reply_ids,
+                prompt_tokens: ids.len(),
+                reused_tokens: stats.reused_tokens,
+                prefill_tokens: stats.prompt_tokens,
+                dropped_turns: dropped,
+                prefill_tok_s: stats.prefill_tok_s(),
+                decode_tok_s: stats.decode_tok_s(),
+                stop,
+            };
+            writeln!(out, "{}", serde_json::to_string(&j)?)?;
+        } else {
+            writeln!(out)?;
+            eprintln!(
+                "[prefill {} new tokens ({} reused), {:.1} tok/s | decode {} tokens, {:.1} tok/s | {} of {} context tokens | stop: {stop}]",
+                stats.prompt_tokens,
+                stats.reused_tokens,
+                stats.prefill_tok_s(),
+                stats.decode_tokens,
+                stats.decode_tok_s(),
+                session.len(),
+                session.capacity(),
+            );
+            if stop == "context_full" {
+                eprintln!("(the context is full: the next turn drops the oldest turns, or /reset)");
+            }
+        }
+        messages.push(Message::assistant(reply));
+    }
+    Ok(())
+}
+
+/// Renders the conversation and makes it fit the context: with room for at
+/// least a short reply, dropping the oldest turns (after the `keep` leading
+/// system messages) when allowed. Returns the token ids and how many turns
+/// were dropped, or `None` (after saying why) when the turn cannot be taken.
+fn fit(
+    model: &Model,
+    session: &Session,
+    messages: &mut Vec<Message>,
+    keep: usize,
+    on_full: OnFull,
+) -> Result<Option<(Vec<u32>, usize)>> {
+    /// Room kept for the reply when deciding whether a turn fits.
+    const REPLY_ROOM: usize = 64;
+    let room = session.capacity().saturating_sub(REPLY_ROOM.min(session.capacity() / 4));
+    let mut dropped = 0;
+    loop {
+        let ids = model.encode(&model.chat_prompt(messages)?)?;
+        if ids.len() <= room {
+            if dropped > 0 {
+                eprintln!("(context full: dropped the {dropped} oldest turn(s) to make room)");
+            }
+            return Ok(Some((ids, dropped)));
+        }
+        // The oldest turn after the system messages: a user message and the
+        // assistant's reply to it. The new message itself is never dropped.
+        let droppable = messages.len() - keep > 1;
+        if on_full == OnFull::Stop || !droppable {
+            let why = if droppable {
+                "run with --context-full drop to forget the oldest turns, or /reset"
+            } else {
+                "this message alone is too long; raise --ctx or send a shorter one"
+            };
+            eprintln!("(context full: {} tokens do not fit in {}; {why})", ids.len(), room);
+            messages.pop();
+            return Ok(None);
+        }
+        messages.remove(keep);
+        if messages.len() > keep + 1 && messages[keep].role == Role::Assistant {
+            messages.remove(keep);
+        }
+        dropped += 1;
+    }
+}
