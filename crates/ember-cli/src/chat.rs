@@ -7,12 +7,11 @@
 //! the reply being written; `/reset` forgets the conversation; `/exit` or
 //! end of input leaves.
 
+use crate::runtime::RuntimeArgs;
 use crate::sampling::SamplingArgs;
-use crate::{init_threads, model_dir};
-use anyhow::{bail, Context, Result};
-use ember_model::{GenerateOptions, Message, Model, Role, Session, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use anyhow::{Context, Result};
+use ember_model::{GenerateOptions, Message, Model, Role, Session, StopReason};
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Set by Ctrl-C; the reply being generated stops at the next token.
@@ -24,10 +23,6 @@ pub struct Args {
     #[arg(long)]
     system: Option<String>,
 
-    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-
     /// Maximum tokens per reply.
     #[arg(short = 'n', long, default_value_t = 1024)]
     max_tokens: usize,
@@ -35,26 +30,17 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
 
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+
     /// Stop a reply when it contains this text (repeatable).
     #[arg(long, value_name = "TEXT")]
     stop: Vec<String>,
-
-    /// Context size in tokens for the whole conversation.
-    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
-    ctx: usize,
 
     /// What to do when the next turn would not fit in the context: drop the
     /// oldest turns (keeping the system message), or stop and say so.
     #[arg(long, value_enum, default_value_t = OnFull::Drop)]
     context_full: OnFull,
-
-    /// Prompt tokens run through the model at once.
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
-    prefill_chunk: usize,
-
-    /// Worker threads (default: the number of physical CPU cores).
-    #[arg(short, long)]
-    threads: Option<usize>,
 
     /// Print one JSON object per turn instead of streaming text.
     #[arg(long)]
@@ -85,18 +71,12 @@ struct TurnJson<'a> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    init_threads(args.threads)?;
-    if args.prefill_chunk == 0 {
-        bail!("--prefill-chunk must be at least 1");
-    }
-    let dir = model_dir(args.model.clone())?;
-    let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let (model, dir, _) = args.runtime.load()?;
     let sampler = args.sampling.config(&model);
     ember_model::Sampler::new(sampler.clone())?;
     let options =
         GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
-    let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
-    session.set_prefill_chunk(args.prefill_chunk);
+    let mut session = args.runtime.session(&model)?;
     ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
 
     let interactive = std::io::stdin().is_terminal();

@@ -1,11 +1,10 @@
 //! The default command: generate text from a prompt.
 
+use crate::runtime::RuntimeArgs;
 use crate::sampling::SamplingArgs;
-use crate::{init_threads, model_dir};
 use anyhow::{Context, Result};
-use ember_model::{GenerateOptions, Message, Model, StopReason, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{GenerateOptions, Message, StopReason};
 use std::io::Write;
-use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -21,10 +20,6 @@ pub struct Args {
     #[arg(long, requires = "chat")]
     system: Option<String>,
 
-    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-
     /// Maximum new tokens.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
@@ -32,22 +27,13 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
 
-    /// Context size in tokens (prompt + output).
-    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
-    ctx: usize,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
 
     /// Stop when the output contains this text (repeatable); the text is cut
     /// just before it.
     #[arg(long, value_name = "TEXT")]
     stop: Vec<String>,
-
-    /// Prompt tokens run through the model at once (1 = token by token).
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
-    prefill_chunk: usize,
-
-    /// Worker threads (default: the number of physical CPU cores).
-    #[arg(short, long)]
-    threads: Option<usize>,
 
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
@@ -88,9 +74,7 @@ fn top_n(logits: &[f32], n: usize) -> TopLogits {
 
 pub fn run(args: Args) -> Result<()> {
     let user_prompt = args.prompt.clone().context("--prompt is required")?;
-    let threads = init_threads(args.threads)?;
-    let dir = model_dir(args.model.clone())?;
-    let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let (model, _, threads) = args.runtime.load()?;
 
     let prompt = if args.chat {
         let mut messages = Vec::new();
@@ -107,11 +91,7 @@ pub fn run(args: Args) -> Result<()> {
     let seed = sampler.seed;
     let options =
         GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
-    let mut session = model.session(args.ctx.min(model.config().max_position_embeddings))?;
-    if args.prefill_chunk == 0 {
-        anyhow::bail!("--prefill-chunk must be at least 1");
-    }
-    session.set_prefill_chunk(args.prefill_chunk);
+    let mut session = args.runtime.session(&model)?;
     let mut generation = session.generate(&prompt_ids, options)?;
 
     let mut ids = Vec::new();

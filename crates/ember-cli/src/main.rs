@@ -12,6 +12,7 @@
 mod bench;
 mod chat;
 mod generate;
+mod runtime;
 mod sampling;
 
 use anyhow::{bail, Context, Result};

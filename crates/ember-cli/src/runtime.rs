@@ -1,0 +1,47 @@
+//! Flags shared by `ember` and `ember chat`: which model, how much context,
+//! how prompts are batched, how many threads.
+
+use crate::{init_threads, model_dir};
+use anyhow::{bail, Context, Result};
+use ember_model::{Model, Session, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct RuntimeArgs {
+    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+
+    /// Context size in tokens (prompt and output; for chat, the whole conversation).
+    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
+    pub ctx: usize,
+
+    /// Prompt tokens run through the model at once (1 = token by token).
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
+    pub prefill_chunk: usize,
+
+    /// Worker threads (default: the number of physical CPU cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+}
+
+impl RuntimeArgs {
+    /// Starts the thread pool and loads the model; returns it, its folder and
+    /// the thread count.
+    pub fn load(&self) -> Result<(Model, PathBuf, usize)> {
+        if self.prefill_chunk == 0 {
+            bail!("--prefill-chunk must be at least 1");
+        }
+        let threads = init_threads(self.threads)?;
+        let dir = model_dir(self.model.clone())?;
+        let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+        Ok((model, dir, threads))
+    }
+
+    /// A session with `--ctx` (capped at the model's maximum) and `--prefill-chunk`.
+    pub fn session<'m>(&self, model: &'m Model) -> Result<Session<'m>> {
+        let mut session = model.session(self.ctx.min(model.config().max_position_embeddings))?;
+        session.set_prefill_chunk(self.prefill_chunk);
+        Ok(session)
+    }
+}
