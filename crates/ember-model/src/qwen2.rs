@@ -19,9 +19,12 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::weights::{Tensor, TensorStore};
 use ember_kernels::attention::{attend_heads, AttnShape};
+use ember_kernels::ops::softmax;
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
 use ember_kernels::pool::{self, SharedMut};
-use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa};
+use ember_kernels::{
+    matmul, matmul_swiglu, matmul_with, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Weights,
+};
 use std::cell::RefCell;
 
 /// Below this many cached positions attention stays on one thread: it is a
@@ -309,13 +312,37 @@ impl Qwen2 {
 }
 
 thread_local! {
-    /// Each thread's attention scores `(context,)`, reused across calls.
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's scratch for block attention, reused across calls.
+    static ATTN_SCRATCH: RefCell<AttnScratch> = RefCell::new(AttnScratch::default());
 }
+
+/// Buffers of one (KV head, query block) item of [`causal_attention`].
+#[derive(Default)]
+struct AttnScratch {
+    /// Queries of the group's heads `(n, head_dim)`, row `(i - i0) * group + g`.
+    q: Vec<f32>,
+    /// The KV head's keys `(len, head_dim)`, contiguous.
+    k: Vec<f32>,
+    /// The KV head's values transposed `(head_dim, len)`.
+    vt: Vec<f32>,
+    /// Scores, then probabilities `(n, len)`.
+    s: Vec<f32>,
+    /// Outputs `(n, head_dim)`.
+    o: Vec<f32>,
+}
+
+/// Queries per work item of [`causal_attention`].
+const ATTN_QUERY_BLOCK: usize = 32;
 
 /// Causal attention for a block of `T` queries at positions `pos0..pos0+T`
 /// (their keys and values already cached): query `i` sees positions
-/// `0..=pos0+i`. Work is split across the pool by (query, head) pairs.
+/// `0..=pos0+i`.
+///
+/// Done as matrix products, since a block has many queries per key: for each
+/// KV head and block of queries, the grouped query heads' rows form one
+/// matrix, `S = Q Kᵀ` and `O = softmax(S) V` go through the same tiled
+/// `matmul` as the projections (keys and values gathered contiguous first).
+/// Items (KV head, query block) are spread over the pool.
 /// `q`, `out (T, heads * head_dim)`.
 fn causal_attention(
     isa: Isa,
@@ -326,35 +353,61 @@ fn causal_attention(
     q: &[f32],
     out: &mut [f32],
 ) {
-    let width = shape.n_heads * shape.head_dim;
-    let t = q.len() / width;
-    let items = t * shape.n_heads;
     let hd = shape.head_dim;
+    let width = shape.n_heads * hd;
+    let kv_dim = shape.kv_dim();
+    let group = shape.n_heads / shape.n_kv_heads;
+    let t = q.len() / width;
+    let blocks = t.div_ceil(ATTN_QUERY_BLOCK);
+    let items = shape.n_kv_heads * blocks;
+    let scale = 1.0 / (hd as f32).sqrt();
     let out = SharedMut::new(out);
     pool::global().run(|th, n| {
-        // Later queries see more positions: interleave items so threads get
-        // similar work.
-        SCORES.with(|scores| {
-            let mut scores = scores.borrow_mut();
-            if scores.len() < pos0 + t {
-                scores.resize(pos0 + t, 0.0);
-            }
+        ATTN_SCRATCH.with(|scratch| {
+            let sc = &mut *scratch.borrow_mut();
+            // Later blocks see more keys: interleave items across threads.
             for item in (th..items).step_by(n) {
-                let (i, head) = (item / shape.n_heads, item % shape.n_heads);
-                let (keys, values) = cache.layer(layer, pos0 + i + 1);
-                let o = i * width + head * hd;
-                // SAFETY: each (query, head) pair is one item, owned by one thread.
-                let dst = unsafe { out.range(o, o + hd) };
-                attend_heads(
-                    isa,
-                    shape,
-                    head..head + 1,
-                    &q[i * width..(i + 1) * width],
-                    keys,
-                    values,
-                    &mut scores,
-                    dst,
-                );
+                let (kvh, blk) = (item % shape.n_kv_heads, item / shape.n_kv_heads);
+                let (i0, i1) = (blk * ATTN_QUERY_BLOCK, ((blk + 1) * ATTN_QUERY_BLOCK).min(t));
+                let len = pos0 + i1; // keys the last query of the block sees
+                let rows = (i1 - i0) * group;
+                let (keys, values) = cache.layer(layer, len);
+                sc.q.clear();
+                for i in i0..i1 {
+                    for g in 0..group {
+                        let h = kvh * group + g;
+                        sc.q.extend_from_slice(&q[i * width + h * hd..i * width + (h + 1) * hd]);
+                    }
+                }
+                sc.k.clear();
+                for p in 0..len {
+                    sc.k.extend_from_slice(&keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]);
+                }
+                sc.vt.resize(hd * len, 0.0);
+                for p in 0..len {
+                    for d in 0..hd {
+                        sc.vt[d * len + p] = values[p * kv_dim + kvh * hd + d];
+                    }
+                }
+                sc.s.resize(rows * len, 0.0);
+                // S (rows, len) = Q (rows, hd) @ K (len, hd)ᵀ
+                matmul_with(isa, MatRef::new(Weights::F32(&sc.k), len, hd), &sc.q, &mut sc.s);
+                for (r, srow) in sc.s.chunks_exact_mut(len).enumerate() {
+                    let visible = pos0 + i0 + r / group + 1;
+                    let (seen, masked) = srow.split_at_mut(visible);
+                    seen.iter_mut().for_each(|v| *v *= scale);
+                    softmax(seen);
+                    masked.fill(0.0);
+                }
+                sc.o.resize(rows * hd, 0.0);
+                // O (rows, hd) = P (rows, len) @ Vᵀ (hd, len)ᵀ
+                matmul_with(isa, MatRef::new(Weights::F32(&sc.vt), hd, len), &sc.s, &mut sc.o);
+                for (r, orow) in sc.o.chunks_exact(hd).enumerate() {
+                    let (i, g) = (i0 + r / group, r % group);
+                    let o = i * width + (kvh * group + g) * hd;
+                    // SAFETY: each (query, head) slot belongs to exactly one item.
+                    unsafe { out.range(o, o + hd) }.copy_from_slice(orow);
+                }
             }
         });
     });
