@@ -62,6 +62,40 @@ pub fn dot_f16(isa: Isa, w: &[f16], x: &[f32]) -> f32 {
     }
 }
 
+/// Reference widening of BF16 to f32 (exact).
+pub fn widen_bf16_scalar(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32::from_bits((s.to_bits() as u32) << 16));
+}
+
+/// Reference widening of F16 to f32 (exact).
+pub fn widen_f16_scalar(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+}
+
+/// BF16 → f32 with the given tier.
+pub fn widen_bf16(isa: Isa, src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::widen_bf16(src, dst) },
+        _ => widen_bf16_scalar(src, dst),
+    }
+}
+
+/// F16 → f32 with the given tier.
+pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; F16C is part of the Avx2 tier.
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::widen_f16c(src, dst) },
+        _ => widen_f16_scalar(src, dst),
+    }
+}
+
 /// Reference `y += a * x`.
 pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len());
@@ -153,6 +187,30 @@ pub(crate) mod avx2 {
     }
 
     dot_kernel!(dot_f32, f32, load_f32, "avx2,fma", |v: f32| v);
+
+    /// BF16 → f32: a BF16 is the top half of an f32.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_bf16(src.as_ptr().add(i)));
+            i += 8;
+        }
+        super::widen_bf16_scalar(&src[i..], &mut dst[i..]);
+    }
+
+    /// F16 → f32 with F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen_f16c(src: &[f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_f16(src.as_ptr().add(i)));
+            i += 8;
+        }
+        super::widen_f16_scalar(&src[i..], &mut dst[i..]);
+    }
 
     /// `y += a * x`.
     #[target_feature(enable = "avx2,fma")]
@@ -273,6 +331,24 @@ pub(crate) mod tests {
                 for (k, (fast, slow)) in pairs.into_iter().enumerate() {
                     assert!(close(fast, slow, mag), "{isa:?} kind {k} n={n}: {fast} vs {slow}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn widening_is_exact_on_every_tier() {
+        for n in [0, 5, 8, 33, 896] {
+            let v = synth(n, 77);
+            let b: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let want_b: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+            let want_h: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
+            for isa in Isa::supported() {
+                let mut out = vec![f32::NAN; n];
+                widen_bf16(isa, &b, &mut out);
+                assert_eq!(out, want_b, "{isa:?} bf16 n={n}");
+                widen_f16(isa, &h, &mut out);
+                assert_eq!(out, want_h, "{isa:?} f16 n={n}");
             }
         }
     }

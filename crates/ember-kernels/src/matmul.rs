@@ -83,7 +83,7 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
             for r0 in rows.clone().step_by(height) {
                 let mr = height.min(rows.end - r0);
                 for i in 0..mr {
-                    w.row_to_f32(r0 + i, &mut panel[i * cols..(i + 1) * cols]);
+                    w.row_to_f32_with(isa, r0 + i, &mut panel[i * cols..(i + 1) * cols]);
                 }
                 let mut t0 = tb;
                 while t0 < te {

@@ -71,12 +71,18 @@ impl<'a> MatRef<'a> {
 
     /// Row `r` widened to f32 into `out (cols,)`: an embedding lookup.
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        self.row_to_f32_with(Isa::active(), r, out)
+    }
+
+    /// [`MatRef::row_to_f32`] with the given tier (prefill widens every
+    /// weight once per token block, so this runs at memory speed).
+    pub fn row_to_f32_with(&self, isa: Isa, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
         let s = r * self.cols..(r + 1) * self.cols;
         match self.weights {
             Weights::F32(w) => out.copy_from_slice(&w[s]),
-            Weights::Bf16(w) => out.iter_mut().zip(&w[s]).for_each(|(o, v)| *o = v.to_f32()),
-            Weights::F16(w) => out.iter_mut().zip(&w[s]).for_each(|(o, v)| *o = v.to_f32()),
+            Weights::Bf16(w) => dot::widen_bf16(isa, &w[s], out),
+            Weights::F16(w) => dot::widen_f16(isa, &w[s], out),
         }
     }
 
