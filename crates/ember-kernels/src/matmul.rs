@@ -190,7 +190,7 @@ pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_
             // SAFETY: this thread owns columns a..b of every row.
             let (gs, us) =
                 unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
-            gs.iter_mut().zip(us.iter()).for_each(|(g, u)| *g = crate::matvec::silu(*g) * u);
+            crate::ops::silu_mul(gs, us);
         }
     });
 }
@@ -318,7 +318,7 @@ mod tests {
         let (mut gy, mut uy) = (vec![0.0; t * rows], vec![0.0; t * rows]);
         matmul_with(Isa::active(), gm, &x, &mut gy);
         matmul_with(Isa::active(), um, &x, &mut uy);
-        let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| crate::matvec::silu(*g) * u).collect();
+        let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| crate::ops::silu(*g) * u).collect();
         for threads in [1, 2, 4] {
             let (mut out, mut scratch) = (vec![0.0; t * rows], vec![0.0; t * rows]);
             matmul_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut scratch, &mut out);

@@ -7,6 +7,7 @@
 
 use crate::dot;
 use crate::isa::Isa;
+use crate::ops::silu_mul;
 use crate::pool::{self, SharedMut, ThreadPool};
 use half::{bf16, f16};
 
@@ -227,7 +228,7 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
             let u = &mut u[..o.len()];
             matvec_with(isa, gate.rows(start, end), x, o);
             matvec_with(isa, up.rows(start, end), x, u);
-            o.iter_mut().zip(u.iter()).for_each(|(g, u)| *g = silu(*g) * u);
+            silu_mul(o, u);
         }
     };
     match threads_for(pool, 2 * rows * gate.cols) {
@@ -238,12 +239,6 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
 
 /// Rows of gate (then of up) processed together by [`matvec_swiglu`].
 const SWIGLU_BLOCK: usize = 256;
-
-/// `silu(g) = g / (1 + e^-g)`, as transformers computes it.
-#[inline]
-pub fn silu(g: f32) -> f32 {
-    g / (1.0 + (-g).exp())
-}
 
 #[cfg(test)]
 mod tests {
@@ -347,7 +342,7 @@ mod tests {
         let (mut gy, mut uy) = (vec![0.0; rows], vec![0.0; rows]);
         matvec_with(Isa::active(), gm, &x, &mut gy);
         matvec_with(Isa::active(), um, &x, &mut uy);
-        let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| silu(*g) * u).collect();
+        let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| crate::ops::silu(*g) * u).collect();
         for threads in [1, 2, 4] {
             let mut out = vec![0.0; rows];
             matvec_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut out);

@@ -82,13 +82,17 @@ pub fn softmax(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// SwiGLU's gate: `gate = silu(gate) * up`, where `silu(g) = g / (1 + e^-g)`.
+/// `silu(g) = g / (1 + e^-g)`, as transformers computes it.
+#[inline]
+pub fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+/// SwiGLU's gate: `gate = silu(gate) * up`.
 /// `gate (n,)`, `up (n,)`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu(*g) * u);
 }
 
 /// Residual connection: `x += y`.

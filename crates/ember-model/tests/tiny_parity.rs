@@ -10,6 +10,11 @@ const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 /// Largest allowed |ember - transformers| of any logit.
 const TOLERANCE: f32 = 1e-4;
 
+/// Greedy decoding of `n` tokens that ignores EOS.
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions { max_tokens: n, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() }
+}
+
 #[test]
 fn logits_match_transformers_at_every_position() {
     for variant in VARIANTS {
@@ -37,12 +42,7 @@ fn greedy_generation_matches_transformers() {
         let dir = tiny_model(variant);
         let model = Model::load(dir.path()).unwrap();
         let mut session = model.session(64).unwrap();
-        let options = GenerateOptions {
-            max_tokens: r.greedy_ids.len(),
-            sampler: SamplerConfig::greedy(),
-            stop_at_eos: false,
-            ..Default::default()
-        };
+        let options = greedy(r.greedy_ids.len());
         let ids: Vec<u32> = session.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "{variant}");
     }
@@ -55,12 +55,6 @@ fn a_session_continues_where_it_left_off() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let greedy = |n| GenerateOptions {
-        max_tokens: n,
-        sampler: SamplerConfig::greedy(),
-        stop_at_eos: false,
-        ..Default::default()
-    };
 
     let mut s = model.session(128).unwrap();
     let first: Vec<u32> = s.generate(&r.ids[..10], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
@@ -107,8 +101,7 @@ fn generation_ends_when_the_context_is_full() {
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
     let mut s = model.session(8).unwrap();
-    let options =
-        GenerateOptions { max_tokens: 100, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let options = greedy(100);
     let mut g = s.generate(&[17, 42, 5], options).unwrap();
     let tokens: Vec<_> = (&mut g).collect::<Result<_, _>>().unwrap();
     let n = tokens.len();
@@ -168,12 +161,7 @@ fn sessions_prefill_in_chunks() {
     for chunk in [1, 4, 512] {
         let mut s = model.session(64).unwrap();
         s.set_prefill_chunk(chunk);
-        let options = GenerateOptions {
-            max_tokens: r.greedy_ids.len(),
-            sampler: SamplerConfig::greedy(),
-            stop_at_eos: false,
-            ..Default::default()
-        };
+        let options = greedy(r.greedy_ids.len());
         let ids: Vec<u32> = s.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "chunk {chunk}");
     }
@@ -219,12 +207,6 @@ fn generate_from_reuses_the_common_prefix() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let greedy = |n| GenerateOptions {
-        max_tokens: n,
-        sampler: SamplerConfig::greedy(),
-        stop_at_eos: false,
-        ..Default::default()
-    };
     let mut s = model.session(128).unwrap();
     let first: Vec<u32> = s.generate_from(&r.ids[..12], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
     // The next "turn" shares the first 10 tokens, then differs.
