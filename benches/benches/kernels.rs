@@ -1,10 +1,12 @@
-//! Kernel benchmarks at the real shapes of Qwen2.5-0.5B, reported as bytes of
-//! weights streamed per second (what bounds decoding).
+//! Kernel benchmarks at the real shapes of Qwen2.5-0.5B: mat-vec reported as
+//! bytes of weights streamed per second (what bounds decoding), prefill's
+//! matrix products as multiply-adds per second (what bounds prompts).
 //!
 //!     cargo bench -p ember-benches
+//!     cargo bench -p ember-benches -- matmul   # only the prefill products
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ember_kernels::{bf16, f16, matvec, matvec_with, Isa, MatRef, Weights};
+use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Weights};
 
 /// (rows, cols) of the model's matrices: q/o, k/v, gate/up, down, LM head.
 const SHAPES: [(usize, usize); 5] = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)];
@@ -35,9 +37,34 @@ fn bench_matvec(c: &mut Criterion) {
     }
 }
 
+/// Tokens per prefill product: the default prompt chunk.
+const PREFILL_TOKENS: usize = 512;
+
+fn bench_matmul(c: &mut Criterion) {
+    // The four products of a layer (q/o share a shape; gate/up too).
+    for (rows, cols) in [(896, 896), (128, 896), (4864, 896), (896, 4864)] {
+        let w = values(rows * cols);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let x = values(PREFILL_TOKENS * cols);
+        let mut y = vec![0.0; PREFILL_TOKENS * rows];
+        let mut group = c.benchmark_group(format!("matmul {PREFILL_TOKENS}x{cols} @ {rows}x{cols}T"));
+        group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
+        for (name, weights) in [("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
+            let m = MatRef::new(weights, rows, cols);
+            for isa in Isa::supported().into_iter().filter(|&i| i >= Isa::Avx2) {
+                group.bench_function(format!("{name} {} 1 thread", isa.name()), |b| {
+                    b.iter(|| matmul_with(isa, m, &x, &mut y))
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = bench_matvec
+    targets = bench_matvec, bench_matmul
 }
 criterion_main!(benches);

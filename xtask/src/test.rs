@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use std::process::Command;
 
 /// Tiers as `EMBER_ISA` names them; the kernels skip tiers the CPU lacks.
-const TIERS: [&str; 3] = ["scalar", "avx2", "avx512"];
+const TIERS: [&str; 4] = ["scalar", "avx2", "avx512", "amx"];
 
 pub fn run(args: &[String]) -> Result<()> {
     if let Some(a) = args.first() {

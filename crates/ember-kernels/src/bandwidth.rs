@@ -43,12 +43,12 @@ fn sum_words(b: &[u8]) -> u64 {
     lanes.iter().fold(tail, |a, &l| a.wrapping_add(l))
 }
 
-/// [`sum_words`] with the given tier.
+/// `sum_words` with the given tier.
 pub fn sum_words_with(isa: Isa, b: &[u8]) -> u64 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 is only chosen on CPUs that have it.
-        Isa::Avx2 | Isa::Avx512 => unsafe { sum_words_avx2(b) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { sum_words_avx2(b) },
         _ => sum_words(b),
     }
 }

@@ -33,7 +33,7 @@ pub fn dot_f32(isa: Isa, w: &[f32], x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers only pass tiers that `Isa::is_supported` accepted.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_f32(w, x) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::dot_f32(w, x) },
         _ => dot_f32_scalar(w, x),
     }
 }
@@ -45,7 +45,7 @@ pub fn dot_bf16(isa: Isa, w: &[bf16], x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_bf16(w, x) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::dot_bf16(w, x) },
         _ => dot_bf16_scalar(w, x),
     }
 }
@@ -57,7 +57,7 @@ pub fn dot_f16(isa: Isa, w: &[f16], x: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_f16(w, x) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::dot_f16(w, x) },
         _ => dot_f16_scalar(w, x),
     }
 }
@@ -80,7 +80,7 @@ pub fn widen_bf16(isa: Isa, src: &[bf16], dst: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::widen_bf16(src, dst) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::widen_bf16(src, dst) },
         _ => widen_bf16_scalar(src, dst),
     }
 }
@@ -91,7 +91,7 @@ pub fn widen_f16(isa: Isa, src: &[f16], dst: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; F16C is part of the Avx2 tier.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::widen_f16c(src, dst) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::widen_f16c(src, dst) },
         _ => widen_f16_scalar(src, dst),
     }
 }
@@ -109,7 +109,7 @@ pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::axpy(a, x, y) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { avx2::axpy(a, x, y) },
         _ => axpy_scalar(a, x, y),
     }
 }

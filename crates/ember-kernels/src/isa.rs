@@ -18,11 +18,14 @@ pub enum Isa {
     /// arithmetic bounds the work (prefill's matrix products); memory-bound
     /// kernels run their AVX2 versions, which already saturate the bus.
     Avx512,
+    /// AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later), granted by
+    /// the OS. Used for prefill's products over BF16/F16 weights ([`crate::amx`]).
+    Amx,
 }
 
 impl Isa {
     /// All tiers, lowest first.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx];
 
     /// The name used by `EMBER_ISA`.
     pub fn name(self) -> &'static str {
@@ -30,6 +33,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 
@@ -44,6 +48,7 @@ impl Isa {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
             Isa::Avx512 => avx2_supported() && avx512_supported(),
+            Isa::Amx => avx2_supported() && avx512_supported() && crate::amx::supported(),
         }
     }
 

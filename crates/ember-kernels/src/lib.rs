@@ -12,6 +12,7 @@
 //! | [`isa`] | which instruction-set tier runs (detected once, `EMBER_ISA` overrides) |
 //! | [`dot`] | dot products of f32 activations with F32, BF16 and F16 weights |
 //! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows; fused q/k/v and gate/up forms |
+//! | [`amx`] | AMX tiles for prefill over BF16/F16 weights, activations split into BF16 terms for f32-class accuracy |
 //! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for prefill: packed panels and a register-tiled micro-kernel |
 //! | [`pool`] | the persistent thread pool of the token loop |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
@@ -21,6 +22,7 @@
 //! Every SIMD kernel has a portable scalar twin with the same signature; tests
 //! pin each fast kernel to its twin under every tier the machine supports.
 
+pub mod amx;
 pub mod attention;
 pub mod bandwidth;
 pub mod dot;

@@ -9,6 +9,7 @@
 //! 4 rows × 3 tokens (12 accumulators) over it. Tokens go in blocks of
 //! [`TOKEN_BLOCK`] so the activations a panel meets stay in L2.
 
+use crate::amx;
 use crate::dot::dot_f32_scalar;
 use crate::isa::Isa;
 use crate::matvec::MatRef;
@@ -24,13 +25,16 @@ pub const TOKEN_BLOCK: usize = 64;
 const MR: usize = 8;
 /// Most tokens per micro-kernel call (its width).
 const NR: usize = 3;
+/// Threads' shares of rows start at multiples of this: whole AMX row-tile
+/// pairs (32), which are also whole f32 panels (8).
+const ALIGN: usize = 32;
 
 /// The micro-kernel's (rows, tokens) for a tier: 4 × 3 for AVX2 (12 of 16
 /// registers accumulate), 8 × 3 for AVX-512 (24 of 32). Taller rather than
 /// wider: each activation row read from L2 then serves more weight rows.
 fn shape_for(isa: Isa) -> (usize, usize) {
     match isa {
-        Isa::Avx512 => (8, 3),
+        Isa::Avx512 | Isa::Amx => (8, 3),
         _ => (4, 3),
     }
 }
@@ -114,8 +118,8 @@ fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, 
     if nr == 3 {
         // SAFETY: tiers are only chosen on CPUs that have them.
         match (isa, mr) {
-            (Isa::Avx512, 8) => return unsafe { avx512::tile_8x3(panel, xs, cols, acc) },
-            (Isa::Avx2 | Isa::Avx512, 4) => return unsafe { avx2::tile_4x3(panel, xs, cols, acc) },
+            (Isa::Avx512 | Isa::Amx, 8) => return unsafe { avx512::tile_8x3(panel, xs, cols, acc) },
+            (Isa::Avx2 | Isa::Avx512 | Isa::Amx, 4) => return unsafe { avx2::tile_4x3(panel, xs, cols, acc) },
             _ => {}
         }
     }
@@ -124,6 +128,49 @@ fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, 
             acc[i][j] = crate::dot::dot_f32(isa, &panel[i * cols..(i + 1) * cols], &xs[j * cols..(j + 1) * cols]);
         }
     }
+}
+
+thread_local! {
+    /// The caller's activations packed for AMX, reused across calls.
+    static PACKED: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `x (T, cols)` packed for AMX when the tier is AMX and some
+/// weight of the product can use it, else with `None`.
+fn with_packed<R>(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    cols: usize,
+    weights: &[MatRef],
+    f: impl FnOnce(Option<&amx::Packed>) -> R,
+) -> R {
+    if isa == Isa::Amx && weights.iter().any(amx::handles) {
+        PACKED.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let packed = amx::pack(pool, x, cols, &mut buf);
+            f(Some(&packed))
+        })
+    } else {
+        f(None)
+    }
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` on the calling thread: whole 32-row pairs on
+/// AMX when `packed` is given and W's dtype allows, the rest (and everything
+/// on other tiers) with the f32 micro-kernel.
+fn product_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], packed: Option<&amx::Packed>, out: &Out) {
+    if let Some(packed) = packed.filter(|_| amx::handles(&w)) {
+        let end = rows.start + rows.len() / 32 * 32;
+        if end > rows.start {
+            amx::matmul_rows(w, rows.start..end, packed, &amx::OutRef { data: &out.data, stride: out.stride });
+        }
+        if end < rows.end {
+            matmul_rows(isa, w, end..rows.end, x, out);
+        }
+        return;
+    }
+    matmul_rows(isa, w, rows, x, out)
 }
 
 /// Several products with the same input as one parallel section (q/k/v):
@@ -138,17 +185,21 @@ pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
         assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
         total += w.rows;
     }
+    let cols = jobs[0].0.cols;
     let jobs = jobs.map(|(w, y)| (w, Out::new(y, w.rows)));
-    pool.run(|th, n| {
-        let (a, b) = pool::share(total, th, n, MR);
-        let mut offset = 0;
-        for (w, out) in &jobs {
-            let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
-            if lo < hi {
-                matmul_rows(isa, *w, lo - offset..hi - offset, x, out);
+    let weights: Vec<MatRef> = jobs.iter().map(|(w, _)| *w).collect();
+    with_packed(pool, isa, x, cols, &weights, |packed| {
+        pool.run(|th, n| {
+            let (a, b) = pool::share(total, th, n, ALIGN);
+            let mut offset = 0;
+            for (w, out) in &jobs {
+                let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
+                if lo < hi {
+                    product_rows(isa, *w, lo - offset..hi - offset, x, packed, out);
+                }
+                offset += w.rows;
             }
-            offset += w.rows;
-        }
+        })
     });
 }
 
@@ -163,7 +214,7 @@ pub fn matmul_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols, "x is (T, cols)");
     assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
     let out = Out::new(y, w.rows);
-    matmul_rows(isa, w, 0..w.rows, x, &out);
+    with_packed(&ThreadPool::new(1), isa, x, w.cols, &[w], |packed| product_rows(isa, w, 0..w.rows, x, packed, &out));
 }
 
 /// SwiGLU's first half for a block: `out = silu(X @ gateᵀ) * (X @ upᵀ)`.
@@ -179,19 +230,21 @@ pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_
     assert_eq!(up_scratch.len(), t * rows, "up_scratch is (T, rows)");
     let isa = Isa::active();
     let (g, u) = (Out::new(out, rows), Out::new(up_scratch, rows));
-    pool.run(|th, n| {
-        let (a, b) = pool::share(rows, th, n, MR);
-        if a == b {
-            return;
-        }
-        matmul_rows(isa, gate, a..b, x, &g);
-        matmul_rows(isa, up, a..b, x, &u);
-        for i in 0..t {
-            // SAFETY: this thread owns columns a..b of every row.
-            let (gs, us) =
-                unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
-            crate::ops::silu_mul(gs, us);
-        }
+    with_packed(pool, isa, x, cols, &[gate, up], |packed| {
+        pool.run(|th, n| {
+            let (a, b) = pool::share(rows, th, n, ALIGN);
+            if a == b {
+                return;
+            }
+            product_rows(isa, gate, a..b, x, packed, &g);
+            product_rows(isa, up, a..b, x, packed, &u);
+            for i in 0..t {
+                // SAFETY: this thread owns columns a..b of every row.
+                let (gs, us) =
+                    unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
+                crate::ops::silu_mul(gs, us);
+            }
+        })
     });
 }
 
@@ -279,7 +332,9 @@ mod tests {
     fn every_tier_and_dtype_matches_the_reference() {
         // Shapes with ragged edges in rows (mod 4), tokens (mod 3, and past a
         // token block) and columns (mod 8).
-        for (rows, cols, t) in [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4)] {
+        for (rows, cols, t) in
+            [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4), (112, 64, 33), (208, 96, 3)]
+        {
             let w = synth(rows * cols, rows as u64);
             let x = synth(t * cols, t as u64 + 99);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
