@@ -35,6 +35,10 @@ pub struct Args {
     #[arg(short = 'b', long, default_value_t = ember_model::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
 
+    /// Quantize the weights at load (`int8` or `int4`) and measure that.
+    #[arg(long, value_parser = crate::runtime::parse_quant)]
+    quant: Option<ember_model::Quant>,
+
     /// Print one JSON array, an object per test.
     #[arg(long)]
     json: bool,
@@ -78,7 +82,10 @@ pub fn run(args: Args) -> Result<()> {
         return print(&args, &dir, &rows, None);
     }
     let threads = init_threads(args.threads.first().copied())?;
-    let model = ember_model::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let mut model = ember_model::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    if let Some(q) = args.quant {
+        model.quantize(q);
+    }
     let bytes_per_token = model.weight_bytes_per_token();
 
     // Warm-up: fault the mapped weights in and wake the pool.
@@ -121,6 +128,7 @@ fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>>
         .args(["-p", &join(&args.prompt), "-n", &join(&args.generate)])
         .args(["-r", &args.repetitions.to_string(), "-t", &threads.to_string(), "--json"])
         .args(["-b", &args.prefill_chunk.to_string()])
+        .args(args.quant.map(|q| ["--quant", q.name()]).into_iter().flatten())
         .output()
         .context("running a benchmark child process")?;
     if !out.status.success() {
@@ -155,7 +163,10 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         return Ok(());
     }
     let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-    println!("model: {name}");
+    match args.quant {
+        Some(q) => println!("model: {name}, quantized to {} at load", q.name()),
+        None => println!("model: {name}"),
+    }
     if let Some(b) = bytes_per_token {
         println!("weights streamed per decoded token: {:.3} GB", b as f64 / 1e9);
     }

@@ -5,13 +5,17 @@
 //! ember --chat --prompt "Write a haiku about Rust."
 //! ember chat --system "You are terse."
 //! ember bench -p 128,512 -n 64 -r 3 -t 2
+//! ember quantize --quant int4 --out /tmp/q4
+//! ember eval --quant int4 --corpus fixtures/eval/gpl-3.0.txt --json
 //! ```
 //!
 //! Text streams to stdout as it is generated; timings go to stderr.
 
 mod bench;
 mod chat;
+mod eval;
 mod generate;
+mod quantize;
 mod runtime;
 mod sampling;
 
@@ -41,6 +45,11 @@ enum Command {
     Chat(chat::Args),
     /// Measure prompt processing and generation speed (like llama-bench).
     Bench(bench::Args),
+    /// Perplexity, KL divergence and top-1 agreement of a quantized model
+    /// against its stored weights, on a text corpus (like llama-perplexity).
+    Eval(eval::Args),
+    /// Write a quantized copy of a model folder (loads instantly).
+    Quantize(quantize::Args),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +57,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Chat(args)) => chat::run(args),
+        Some(Command::Eval(args)) => eval::run(args),
+        Some(Command::Quantize(args)) => quantize::run(args),
         None => generate::run(cli.generate),
     };
     match result {

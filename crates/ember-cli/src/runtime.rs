@@ -3,7 +3,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{Model, Session, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{Model, Quant, Session, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -23,6 +23,16 @@ pub struct RuntimeArgs {
     /// Worker threads (default: the number of physical CPU cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
+
+    /// Quantize the weights at load: `int8` or `int4` (the embedding / LM
+    /// head stays at 8 bits with `int4`).
+    #[arg(long, value_parser = parse_quant)]
+    pub quant: Option<Quant>,
+}
+
+/// Parses `--quant`.
+pub fn parse_quant(s: &str) -> std::result::Result<Quant, String> {
+    Quant::from_name(s).ok_or_else(|| format!("unknown format `{s}` (expected int8 or int4)"))
 }
 
 impl RuntimeArgs {
@@ -34,7 +44,8 @@ impl RuntimeArgs {
         }
         let threads = init_threads(self.threads)?;
         let dir = model_dir(self.model.clone())?;
-        let model = Model::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+        let model = Model::load_quantized(&dir, self.quant)
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
         Ok((model, dir, threads))
     }
 

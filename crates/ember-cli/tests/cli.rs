@@ -184,3 +184,61 @@ fn stop_strings_cut_the_output() {
     assert_eq!(v["stop"], "stop_string");
     assert_eq!(v["text"].as_str().unwrap(), &text[..text.find(&third).unwrap()]);
 }
+
+#[test]
+fn quantize_eval_and_generate_with_int4() {
+    let model = tiny_model();
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ember-cli-q4-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let q =
+        ember(&["quantize", "--model", model.to_str().unwrap(), "--quant", "int4", "--out", out_dir.to_str().unwrap()]);
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(out_dir.join("model.safetensors").is_file() && out_dir.join("tokenizer.json").is_file());
+    let g = ember(&[
+        "--model",
+        out_dir.to_str().unwrap(),
+        "--prompt",
+        "w1 w2 w3",
+        "--temperature",
+        "0",
+        "-n",
+        "4",
+        "--json",
+    ]);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    // A corpus of words the tiny tokenizer knows: 4 windows of 16.
+    let corpus = out_dir.join("corpus.txt");
+    let words: Vec<String> = (0..64).map(|i| format!("w{}", (i * 7) % 96)).collect();
+    std::fs::write(&corpus, words.join(" ")).unwrap();
+    let e = ember(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--quant",
+        "int8",
+        "--corpus",
+        corpus.to_str().unwrap(),
+        "--ctx",
+        "16",
+        "--json",
+    ]);
+    assert!(e.status.success(), "{}", String::from_utf8_lossy(&e.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&e.stdout).unwrap();
+    for k in ["ppl", "kld_mean", "kld_p99", "top1"] {
+        assert!(v[k].as_f64().is_some_and(f64::is_finite), "{k} in {v}");
+    }
+    assert!(v["top1"].as_f64().unwrap() <= 1.0);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+#[test]
+fn bad_quantization_arguments() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    assert_clean_failure(&ember(&["--model", m, "--prompt", "w1", "--quant", "int3"]), "int3");
+    assert_clean_failure(&ember(&["quantize", "--model", m, "--quant", "int8", "--out", m]), "another folder");
+    assert_clean_failure(&ember(&["eval", "--model", m, "--corpus", "/nonexistent/corpus.txt"]), "corpus");
+    let short = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ember-short-corpus.txt");
+    std::fs::write(&short, "w1 w2 w3").unwrap();
+    assert_clean_failure(&ember(&["eval", "--model", m, "--corpus", short.to_str().unwrap()]), "fewer than one window");
+}

@@ -92,10 +92,13 @@ fn detect() -> bool {
     false
 }
 
-/// Whether products with `w` can run on AMX: BF16 or F16 weights with rows a
-/// whole number of 32-column tile rows. (F32 weights take the AVX-512 path.)
+/// Whether products with `w` can run on AMX: BF16, F16, INT8 or INT4 weights
+/// with rows a whole number of 32-column tile rows. (F32 weights take the
+/// AVX-512 path.) Quantized weights are dequantized a block at a time and
+/// split into two BF16 terms like F16 weights: `hi + lo` carries 16
+/// significant bits of `d · q`, 256 times finer than the quantization step.
 pub fn handles(w: &MatRef) -> bool {
-    matches!(w.weights, Weights::Bf16(_) | Weights::F16(_)) && w.cols.is_multiple_of(KSTEP) && w.cols > 0
+    !matches!(w.weights, Weights::F32(_)) && w.cols.is_multiple_of(KSTEP) && w.cols > 0
 }
 
 /// `x` rounded to the nearest BF16 (ties to even), as bits. Finite inputs
@@ -298,7 +301,19 @@ pub(crate) fn matmul_rows(w: MatRef, rows: std::ops::Range<usize>, x: &Packed, o
                         }
                         ([hi.as_ptr(), lo.as_ptr()], 2, kc * 2)
                     }
-                    Weights::F32(_) => unreachable!("handles() admits BF16 and F16 only"),
+                    Weights::Q8(_) | Weights::Q4(_) => {
+                        let kc = k1 - k0;
+                        split.resize(2 * ROW_BLOCK * COL_CHUNK, 0);
+                        let (hi, lo) = split.split_at_mut(ROW_BLOCK * COL_CHUNK);
+                        let mut row = [0.0f32; COL_CHUNK];
+                        for r in r0..r1 {
+                            let o = (r - r0) * kc;
+                            w.rows(r, r + 1).row_to_f32_range(k0..k1, &mut row[..kc]);
+                            split_f32(&row[..kc], &mut hi[o..o + kc], &mut lo[o..o + kc]);
+                        }
+                        ([hi.as_ptr(), lo.as_ptr()], 2, kc * 2)
+                    }
+                    Weights::F32(_) => unreachable!("handles() rejects F32"),
                 };
                 for tp in 0..pairs {
                     let b = x.data[2 * tp * x.tile_stride() + k0 / KSTEP * ACT_TERMS * TILE_ELEMS..].as_ptr();
@@ -362,6 +377,23 @@ fn split_f16(src: &[f16], hi: &mut [u16], lo: &mut [u16]) {
         return unsafe { avx512::split_f16(src, hi, lo) };
     }
     split_f16_scalar(src, hi, lo)
+}
+
+/// f32 as BF16 `hi + lo`, each rounded to nearest: 16 significant bits.
+fn split_f32(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::Isa::Avx512.is_supported() {
+        // SAFETY: AVX-512F is present.
+        return unsafe { avx512::split_f32(src, hi, lo) };
+    }
+    split_f32_scalar(src, hi, lo)
+}
+
+fn split_f32_scalar(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    for ((&v, h), l) in src.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
+        *h = bf16_bits(v);
+        *l = bf16_bits(v - bf16_value(*h));
+    }
 }
 
 /// F16 as BF16 `hi + lo`: `hi` is the F16 value truncated to BF16 (its top 8
@@ -484,6 +516,27 @@ mod avx512 {
         let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
         let r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
         _mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000u32 as i32))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn split_f32(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            let v = _mm512_loadu_ps(src.as_ptr().add(i));
+            let h = round_bf16(v);
+            let l = round_bf16(_mm512_sub_ps(v, _mm512_castsi512_ps(h)));
+            _mm256_storeu_si256(
+                hi.as_mut_ptr().add(i) as *mut __m256i,
+                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(h)),
+            );
+            _mm256_storeu_si256(
+                lo.as_mut_ptr().add(i) as *mut __m256i,
+                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(l)),
+            );
+            i += 16;
+        }
+        super::split_f32_scalar(&src[i..], &mut hi[i..n], &mut lo[i..n]);
     }
 
     /// The `ACT_TERMS` BF16 terms of sixteen values (see `super::split`).

@@ -14,6 +14,7 @@
 //! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows; fused q/k/v and gate/up forms |
 //! | [`amx`] | AMX tiles for prefill over BF16/F16 weights, activations split into BF16 terms for f32-class accuracy |
 //! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for prefill: packed panels and a register-tiled micro-kernel |
+//! | [`quant`] | INT8/INT4 block formats, quantizers, integer dot products on int8 activations |
 //! | [`pool`] | the persistent thread pool of the token loop |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
 //! | [`attention`] | one query against a KV cache, grouped-query aware |
@@ -31,9 +32,11 @@ pub mod matmul;
 pub mod matvec;
 pub mod ops;
 pub mod pool;
+pub mod quant;
 
 pub use half::{bf16, f16};
 pub use isa::Isa;
 pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls};
 pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs, MatRef, Weights};
 pub use pool::ThreadPool;
+pub use quant::{BlockQ4, BlockQ8, Quant};

@@ -326,6 +326,7 @@ mod avx512 {
 mod tests {
     use super::*;
     use crate::dot::tests::synth;
+    use crate::quant::{quantize_q4_row, quantize_q8_row, BlockQ4, BlockQ8, QK};
     use half::{bf16, f16};
 
     #[test]
@@ -339,7 +340,15 @@ mod tests {
             let x = synth(t * cols, t as u64 + 99);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-            for weights in [Weights::F32(&w), Weights::Bf16(&wb), Weights::F16(&wh)] {
+            let mut all = vec![Weights::F32(&w), Weights::Bf16(&wb), Weights::F16(&wh)];
+            // Quantized weights where rows are whole blocks.
+            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; w.len() / QK], vec![BlockQ4::ZERO; w.len() / QK]);
+            if cols % QK == 0 {
+                quantize_q8_row(&w, &mut q8);
+                quantize_q4_row(&w, &mut q4);
+                all.extend([Weights::Q8(&q8), Weights::Q4(&q4)]);
+            }
+            for weights in all {
                 let m = MatRef::new(weights, rows, cols);
                 let mut want = vec![0.0; t * rows];
                 matmul_scalar(m, &x, &mut want);

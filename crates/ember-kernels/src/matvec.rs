@@ -9,7 +9,9 @@ use crate::dot;
 use crate::isa::Isa;
 use crate::ops::silu_mul;
 use crate::pool::{self, SharedMut, ThreadPool};
+use crate::quant::{self, BlockA8, BlockQ4, BlockQ8, QK};
 use half::{bf16, f16};
+use std::cell::RefCell;
 
 /// Row-major weights in their stored precision.
 #[derive(Clone, Copy, Debug)]
@@ -17,15 +19,21 @@ pub enum Weights<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
+    /// INT8 blocks of 32 along each row ([`crate::quant`]).
+    Q8(&'a [BlockQ8]),
+    /// INT4 blocks of 32 along each row.
+    Q4(&'a [BlockQ4]),
 }
 
 impl Weights<'_> {
-    /// Number of elements.
+    /// Number of weights.
     pub fn len(&self) -> usize {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
             Weights::F16(w) => w.len(),
+            Weights::Q8(w) => w.len() * QK,
+            Weights::Q4(w) => w.len() * QK,
         }
     }
 
@@ -34,12 +42,20 @@ impl Weights<'_> {
         self.len() == 0
     }
 
-    /// Bytes per element.
-    pub fn elem_bytes(&self) -> usize {
+    /// Bytes of storage.
+    pub fn bytes(&self) -> usize {
         match self {
-            Weights::F32(_) => 4,
-            Weights::Bf16(_) | Weights::F16(_) => 2,
+            Weights::F32(w) => std::mem::size_of_val(*w),
+            Weights::Bf16(w) => std::mem::size_of_val(*w),
+            Weights::F16(w) => std::mem::size_of_val(*w),
+            Weights::Q8(w) => std::mem::size_of_val(*w),
+            Weights::Q4(w) => std::mem::size_of_val(*w),
         }
+    }
+
+    /// Whether the mat-vec runs on int8-quantized activations.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Weights::Q8(_) | Weights::Q4(_))
     }
 }
 
@@ -56,6 +72,9 @@ impl<'a> MatRef<'a> {
     /// that is a bug in the caller, which validated shapes at load time.
     pub fn new(weights: Weights<'a>, rows: usize, cols: usize) -> Self {
         assert_eq!(weights.len(), rows * cols, "matrix data does not hold {rows}x{cols}");
+        if weights.is_quantized() {
+            assert!(cols.is_multiple_of(QK), "quantized rows are whole blocks of {QK}");
+        }
         MatRef { weights, rows, cols }
     }
 
@@ -66,6 +85,8 @@ impl<'a> MatRef<'a> {
             Weights::F32(w) => Weights::F32(&w[a..b]),
             Weights::Bf16(w) => Weights::Bf16(&w[a..b]),
             Weights::F16(w) => Weights::F16(&w[a..b]),
+            Weights::Q8(w) => Weights::Q8(&w[a / QK..b / QK]),
+            Weights::Q4(w) => Weights::Q4(&w[a / QK..b / QK]),
         };
         MatRef { weights, rows: end - start, cols: self.cols }
     }
@@ -84,29 +105,100 @@ impl<'a> MatRef<'a> {
             Weights::F32(w) => out.copy_from_slice(&w[s]),
             Weights::Bf16(w) => dot::widen_bf16(isa, &w[s], out),
             Weights::F16(w) => dot::widen_f16(isa, &w[s], out),
+            Weights::Q8(_) | Weights::Q4(_) => self.rows(r, r + 1).row_to_f32_range_with(isa, 0..self.cols, out),
         }
     }
 
-    /// `W[r] · x` with the given tier. `x (cols,)`.
+    /// Columns `cols` of row 0 widened to f32 into `out`; for quantized
+    /// weights the range must be whole blocks.
+    pub fn row_to_f32_range(&self, cols: std::ops::Range<usize>, out: &mut [f32]) {
+        self.row_to_f32_range_with(Isa::active(), cols, out)
+    }
+
+    /// [`MatRef::row_to_f32_range`] with the given tier.
+    pub fn row_to_f32_range_with(&self, isa: Isa, cols: std::ops::Range<usize>, out: &mut [f32]) {
+        assert_eq!(out.len(), cols.len());
+        match self.weights {
+            Weights::F32(w) => out.copy_from_slice(&w[cols]),
+            Weights::Bf16(w) => dot::widen_bf16(isa, &w[cols], out),
+            Weights::F16(w) => dot::widen_f16(isa, &w[cols], out),
+            Weights::Q8(w) => {
+                let b = &w[cols.start / QK..cols.end / QK];
+                #[cfg(target_arch = "x86_64")]
+                if isa >= Isa::Avx2 {
+                    // SAFETY: the tier is supported.
+                    return unsafe { quant::avx2::dequantize_q8(b, out) };
+                }
+                quant::dequantize_q8_row(b, out)
+            }
+            Weights::Q4(w) => {
+                let b = &w[cols.start / QK..cols.end / QK];
+                #[cfg(target_arch = "x86_64")]
+                if isa >= Isa::Avx2 {
+                    // SAFETY: the tier is supported.
+                    return unsafe { quant::avx2::dequantize_q4(b, out) };
+                }
+                quant::dequantize_q4_row(b, out)
+            }
+        }
+    }
+
+    /// `W[r] · x` with the given tier. `x (cols,)`; for quantized weights,
+    /// `xq` is `x` quantized ([`quant::quantize_activations`]).
     #[inline]
-    pub fn dot_row(&self, isa: Isa, r: usize, x: &[f32]) -> f32 {
+    pub fn dot_row(&self, isa: Isa, r: usize, x: &[f32], xq: &[BlockA8]) -> f32 {
         let s = r * self.cols..(r + 1) * self.cols;
+        let blocks = s.start / QK..s.end / QK;
         match self.weights {
             Weights::F32(w) => dot::dot_f32(isa, &w[s], x),
             Weights::Bf16(w) => dot::dot_bf16(isa, &w[s], x),
             Weights::F16(w) => dot::dot_f16(isa, &w[s], x),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier is supported.
+            Weights::Q8(w) if isa >= Isa::Avx2 => unsafe { quant::avx2::dot_q8(&w[blocks], xq) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier is supported.
+            Weights::Q4(w) if isa >= Isa::Avx2 => unsafe { quant::avx2::dot_q4(&w[blocks], xq) },
+            Weights::Q8(w) => quant::dot_q8_scalar(&w[blocks], xq),
+            Weights::Q4(w) => quant::dot_q4_scalar(&w[blocks], xq),
         }
     }
 
     /// Bytes of weights this matrix streams per mat-vec.
     pub fn bytes(&self) -> usize {
-        self.weights.len() * self.weights.elem_bytes()
+        self.weights.bytes()
+    }
+}
+
+thread_local! {
+    /// The caller's quantized activations, reused across calls.
+    static XQ: RefCell<Vec<BlockA8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `x` quantized to int8 blocks if any of `weights` needs it
+/// (once per mat-vec, shared by all rows and threads), else with `&[]`.
+fn with_quantized<R>(x: &[f32], weights: &[&Weights], f: impl FnOnce(&[BlockA8]) -> R) -> R {
+    if weights.iter().any(|w| w.is_quantized()) {
+        assert!(x.len().is_multiple_of(QK), "quantized weights need whole blocks of {QK} inputs");
+        XQ.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            buf.resize(x.len() / QK, BlockA8::ZERO);
+            quant::quantize_activations(x, &mut buf);
+            f(&buf)
+        })
+    } else {
+        f(&[])
     }
 }
 
 /// `y = W @ x` on the calling thread with the given tier.
 /// `w (rows, cols)`, `x (cols,)`, `y (rows,)`.
 pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
+    with_quantized(x, &[&w.weights], |xq| matvec_rows(isa, w, x, xq, y))
+}
+
+/// [`matvec_with`] with `x` already quantized when W is (`xq`).
+fn matvec_rows(isa: Isa, w: MatRef, x: &[f32], xq: &[BlockA8], y: &mut [f32]) {
     assert_eq!(x.len(), w.cols, "x length");
     assert_eq!(y.len(), w.rows, "y length");
     let mut r = 0;
@@ -125,6 +217,8 @@ pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
                     Weights::F32(m) => dot::avx2::rows4_f32(quad(m, c, idx), x),
                     Weights::Bf16(m) => dot::avx2::rows4_bf16(quad(m, c, idx), x),
                     Weights::F16(m) => dot::avx2::rows4_f16(quad(m, c, idx), x),
+                    Weights::Q8(m) => quant::avx2::rows4_q8(quad(m, c / QK, idx), xq),
+                    Weights::Q4(m) => quant::avx2::rows4_q4(quad(m, c / QK, idx), xq),
                 }
             };
             for (i, v) in idx.into_iter().zip(out) {
@@ -134,7 +228,7 @@ pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
         r = 4 * q;
     }
     for (i, out) in y.iter_mut().enumerate().skip(r) {
-        *out = w.dot_row(isa, i, x);
+        *out = w.dot_row(isa, i, x, xq);
     }
 }
 
@@ -183,23 +277,26 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
         weights += w.rows * w.cols;
     }
     let jobs = jobs.map(|(w, y)| (w, SharedMut::new(y)));
-    let work = |t: usize, n: usize| {
-        let (a, b) = pool::share(total, t, n, ROW_ALIGN);
-        let mut offset = 0;
-        for (w, y) in &jobs {
-            let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
-            if lo < hi {
-                // SAFETY: thread shares of the row list are disjoint.
-                let out = unsafe { y.range(lo - offset, hi - offset) };
-                matvec_with(isa, w.rows(lo - offset, hi - offset), x, out);
+    let all: Vec<&Weights> = jobs.iter().map(|(w, _)| &w.weights).collect();
+    with_quantized(x, &all, |xq| {
+        let work = |t: usize, n: usize| {
+            let (a, b) = pool::share(total, t, n, ROW_ALIGN);
+            let mut offset = 0;
+            for (w, y) in &jobs {
+                let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
+                if lo < hi {
+                    // SAFETY: thread shares of the row list are disjoint.
+                    let out = unsafe { y.range(lo - offset, hi - offset) };
+                    matvec_rows(isa, w.rows(lo - offset, hi - offset), x, xq, out);
+                }
+                offset += w.rows;
             }
-            offset += w.rows;
+        };
+        match threads_for(pool, weights) {
+            1 => work(0, 1),
+            _ => pool.run(work),
         }
-    };
-    match threads_for(pool, weights) {
-        1 => work(0, 1),
-        _ => pool.run(work),
-    }
+    })
 }
 
 /// SwiGLU's first half in one pass: `out = silu(gate @ x) * (up @ x)`.
@@ -212,29 +309,31 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
     let isa = Isa::active();
     let rows = gate.rows;
     let out = SharedMut::new(out);
-    let work = |t: usize, n: usize| {
-        let (a, b) = pool::share(rows, t, n, ROW_ALIGN);
-        if a == b {
-            return;
+    with_quantized(x, &[&gate.weights, &up.weights], |xq| {
+        let work = |t: usize, n: usize| {
+            let (a, b) = pool::share(rows, t, n, ROW_ALIGN);
+            if a == b {
+                return;
+            }
+            // SAFETY: thread shares are disjoint.
+            let o = unsafe { out.range(a, b) };
+            // Blocks of rows from each matrix in turn: both weight streams run
+            // through the fast multi-row kernel (a row of gate, then a row of
+            // up, took a third longer: it defeats the prefetching).
+            let mut u = [0.0f32; SWIGLU_BLOCK];
+            for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
+                let end = start + o.len();
+                let u = &mut u[..o.len()];
+                matvec_rows(isa, gate.rows(start, end), x, xq, o);
+                matvec_rows(isa, up.rows(start, end), x, xq, u);
+                silu_mul(o, u);
+            }
+        };
+        match threads_for(pool, 2 * rows * gate.cols) {
+            1 => work(0, 1),
+            _ => pool.run(work),
         }
-        // SAFETY: thread shares are disjoint.
-        let o = unsafe { out.range(a, b) };
-        // Blocks of rows from each matrix in turn: both weight streams run
-        // through the fast multi-row kernel (a row of gate, then a row of up,
-        // took a third longer: it defeats the prefetching).
-        let mut u = [0.0f32; SWIGLU_BLOCK];
-        for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
-            let end = start + o.len();
-            let u = &mut u[..o.len()];
-            matvec_with(isa, gate.rows(start, end), x, o);
-            matvec_with(isa, up.rows(start, end), x, u);
-            silu_mul(o, u);
-        }
-    };
-    match threads_for(pool, 2 * rows * gate.cols) {
-        1 => work(0, 1),
-        _ => pool.run(work),
-    }
+    })
 }
 
 /// Rows of gate (then of up) processed together by [`matvec_swiglu`].
@@ -278,6 +377,43 @@ mod tests {
                 let mut par = vec![0.0; rows];
                 matvec(m, &x, &mut par);
                 assert_eq!(serial, par);
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_matvec_matches_the_integer_reference() {
+        use crate::quant::*;
+        for (rows, cols) in [(1, 32), (7, 64), (64, 896), (301, 256)] {
+            let w = synth(rows * cols, rows as u64 + 3);
+            let x = synth(cols, 5);
+            let mut xq = vec![BlockA8::ZERO; cols / QK];
+            quantize_activations_scalar(&x, &mut xq);
+            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / QK], vec![BlockQ4::ZERO; rows * cols / QK]);
+            quantize_q8_row(&w, &mut q8);
+            quantize_q4_row(&w, &mut q4);
+            let b = cols / QK;
+            let want8: Vec<f32> = (0..rows).map(|r| dot_q8_scalar(&q8[r * b..(r + 1) * b], &xq)).collect();
+            let want4: Vec<f32> = (0..rows).map(|r| dot_q4_scalar(&q4[r * b..(r + 1) * b], &xq)).collect();
+            for (weights, want) in [(Weights::Q8(&q8), want8), (Weights::Q4(&q4), want4)] {
+                let m = MatRef::new(weights, rows, cols);
+                for isa in Isa::supported() {
+                    let mut y = vec![0.0; rows];
+                    matvec_with(isa, m, &x, &mut y);
+                    for (a, b) in y.iter().zip(&want) {
+                        assert!((a - b).abs() <= 1e-5 * cols as f32, "{isa:?} {rows}x{cols}: {a} vs {b}");
+                    }
+                }
+                let (mut serial, mut par) = (vec![0.0; rows], vec![0.0; rows]);
+                matvec_with(Isa::active(), m, &x, &mut serial);
+                matvecs(&ThreadPool::new(3), &x, [(m, &mut par[..])]);
+                assert_eq!(serial, par);
+                // The fused gate/up form quantizes x once for both.
+                let mut fused = vec![0.0; rows];
+                matvec_swiglu(&ThreadPool::new(2), m, m, &x, &mut fused);
+                for (f, s) in fused.iter().zip(&serial) {
+                    assert!((f - crate::ops::silu(*s) * s).abs() <= 1e-6 * (1.0 + f.abs()));
+                }
             }
         }
     }

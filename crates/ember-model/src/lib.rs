@@ -35,14 +35,17 @@ pub mod stream;
 pub mod tokenizer;
 pub mod weights;
 
+pub mod eval;
+pub mod quantize;
 pub use config::{Config, GenerationConfig};
+pub use ember_kernels::Quant;
 pub use ember_sample::{Sampler, SamplerConfig};
 pub use error::{Error, Result};
 pub use generate::{
     load_qwen2, GenerateOptions, Generation, Model, Session, Stats, StopReason, Token, DEFAULT_CONTEXT,
     DEFAULT_PREFILL_CHUNK,
 };
-pub use qwen2::{Qwen2, State};
+pub use qwen2::{precision, Qwen2, State, WeightRole};
 pub use stream::TextStream;
 pub use tokenizer::{ChatTemplate, Message, Role, Tokenizer};
 pub use weights::{DType, Tensor, TensorStore};

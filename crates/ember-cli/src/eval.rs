@@ -1,0 +1,118 @@
+//! `ember eval`: perplexity, KL divergence and top-1 agreement of a
+//! (quantized) model against its unquantized weights on a text corpus, in
+//! windows like llama-perplexity's (see `ember_model::eval`).
+
+use crate::{init_threads, model_dir};
+use anyhow::{bail, Context, Result};
+use ember_model::{eval, load_qwen2, Quant, Tokenizer};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+
+    /// Quantize to `int8` or `int4` at load and compare with the weights as
+    /// stored (without it, the model is measured against itself).
+    #[arg(long, value_parser = crate::runtime::parse_quant)]
+    quant: Option<Quant>,
+
+    /// A UTF-8 text file; its tokens are cut into windows of --ctx.
+    #[arg(long)]
+    corpus: PathBuf,
+
+    /// Tokens per window; the second half of each is scored.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+
+    /// Worker threads (default: the number of physical CPU cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+
+    /// Print `{"ppl", "kld_mean", "kld_p99", "top1", ...}` (top1 as a fraction).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Json<'a> {
+    ppl: f64,
+    kld_mean: f64,
+    kld_p99: f64,
+    top1: f64,
+    base_ppl: f64,
+    quant: Option<&'a str>,
+    tokens: usize,
+    windows: usize,
+    ctx: usize,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    init_threads(args.threads)?;
+    let dir = model_dir(args.model.clone())?;
+    let text = std::fs::read_to_string(&args.corpus)
+        .with_context(|| format!("reading the corpus {}", args.corpus.display()))?;
+    let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    let tokens = tokenizer.encode(&text)?;
+    if tokens.len() < args.ctx {
+        bail!("the corpus has {} tokens, fewer than one window of --ctx {}", tokens.len(), args.ctx);
+    }
+    let base = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let variant = match args.quant {
+        Some(q) => {
+            let start = Instant::now();
+            let mut m = load_qwen2(&dir)?;
+            m.quantize(q);
+            eprintln!("quantized to {} in {:.1} s", q.name(), start.elapsed().as_secs_f64());
+            Some(m)
+        }
+        None => None,
+    };
+    let (model, base) = match &variant {
+        Some(v) => (v, Some(&base)),
+        None => (&base, None),
+    };
+    let start = Instant::now();
+    let report = eval::evaluate(model, base, &tokens, args.ctx, |done, total| {
+        eprint!("\reval: window {done}/{total}, {:.0} s", start.elapsed().as_secs_f64());
+        let _ = std::io::stderr().flush();
+    })?;
+    eprintln!();
+    if args.json {
+        let j = Json {
+            ppl: report.ppl,
+            kld_mean: report.kld_mean,
+            kld_p99: report.kld_p99,
+            top1: report.top1,
+            base_ppl: report.base_ppl,
+            quant: args.quant.map(|q| q.name()),
+            tokens: report.tokens,
+            windows: report.windows,
+            ctx: report.ctx,
+        };
+        println!("{}", serde_json::to_string(&j)?);
+    } else {
+        let name = args.quant.map_or("as stored", |q| q.name());
+        println!(
+            "{} tokens scored in {} windows of {} ({} corpus tokens)",
+            report.tokens,
+            report.windows,
+            report.ctx,
+            tokens.len()
+        );
+        println!("PPL ({name}): {:.4}", report.ppl);
+        if args.quant.is_some() {
+            println!("PPL (as stored): {:.4}", report.base_ppl);
+            println!(
+                "KLD mean: {:.6}   KLD p99: {:.6}   top-1 agreement: {:.2}%",
+                report.kld_mean,
+                report.kld_p99,
+                100.0 * report.top1
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,55 @@
+//! `ember quantize`: writes a quantized copy of a model folder that loads
+//! instantly (memory-mapped, no quantization at load).
+
+use crate::{init_threads, model_dir};
+use anyhow::{bail, Context, Result};
+use ember_model::{load_qwen2, Config, Quant, TensorStore};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model folder (HF layout). Default: the folder `cargo xtask fetch` fills.
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+
+    /// `int8` or `int4` (with `int4`, the embedding / LM head and the k, v and
+    /// down projections stay at 8 bits).
+    #[arg(long, value_parser = crate::runtime::parse_quant)]
+    quant: Quant,
+
+    /// The folder to write (created; must not be the model folder).
+    #[arg(long)]
+    out: PathBuf,
+
+    /// Worker threads (default: the number of physical CPU cores).
+    #[arg(short, long)]
+    threads: Option<usize>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    init_threads(args.threads)?;
+    let dir = model_dir(args.model.clone())?;
+    if args.out.exists() && std::fs::canonicalize(&args.out).ok() == std::fs::canonicalize(&dir).ok() {
+        bail!("--out must be another folder than the model's");
+    }
+    let start = Instant::now();
+    Config::from_file(&dir.join("config.json")).with_context(|| format!("reading {}", dir.display()))?;
+    let mut model = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    model.quantize(args.quant);
+    let quantized = start.elapsed();
+    let store = TensorStore::open_dir(&dir)?;
+    ember_model::quantize::write_folder(&dir, &store, &model, &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    let size = std::fs::metadata(args.out.join("model.safetensors")).map(|m| m.len()).unwrap_or(0);
+    eprintln!(
+        "quantized to {} in {:.1} s, written in {:.1} s: {} ({:.0} MB)",
+        args.quant.name(),
+        quantized.as_secs_f64(),
+        (start.elapsed() - quantized).as_secs_f64(),
+        args.out.display(),
+        size as f64 / 1e6
+    );
+    println!("{}", args.out.display());
+    Ok(())
+}

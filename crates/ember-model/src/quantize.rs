@@ -1,0 +1,82 @@
+//! Writing a quantized model folder (`ember quantize`): the weight matrices
+//! in ember's INT8/INT4 blocks, everything else as stored, plus the config
+//! and tokenizer files, so the folder loads like any other, instantly and
+//! memory-mapped.
+//!
+//! A quantized matrix is stored as a `U8` tensor of shape `[rows, bytes per
+//! row]` under its usual name, and the file's metadata maps
+//! `ember.quant.<name>` to its format (`int8` / `int4`).
+
+use crate::error::{Error, Result};
+use crate::qwen2::Qwen2;
+use crate::weights::{quant_key, write_safetensors, DType, Tensor, TensorStore};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Small files copied next to the weights when present.
+const COPIED: [&str; 7] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Writes `model` (quantized in memory) to `out`: every tensor of `store` (the
+/// folder it was loaded from), the quantized ones replaced by their blocks.
+pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let mut quantized: BTreeMap<String, &Tensor> = BTreeMap::new();
+    for l in &model.layers {
+        for p in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {
+            quantized.insert(p.weight.name.clone(), &p.weight);
+        }
+    }
+    quantized.insert(model.embed_tokens.name.clone(), &model.embed_tokens);
+    quantized.insert(model.lm_head.name.clone(), &model.lm_head);
+    quantized.retain(|_, t| t.dtype.quant().is_some());
+
+    let mut names: Vec<&str> = store.names().collect();
+    names.sort();
+    let originals: Vec<Tensor> = names.iter().map(|n| store.get_any(n)).collect::<Result<_>>()?;
+    let mut tensors = Vec::new();
+    let mut metadata = BTreeMap::new();
+    metadata.insert("format".to_string(), "pt".to_string());
+    for t in &originals {
+        match quantized.get(&t.name) {
+            Some(q) => {
+                let format = q.dtype.quant().expect("retained above");
+                let rows = q.shape[0];
+                let row_bytes = q.size_bytes() / rows;
+                metadata.insert(quant_key(&t.name), format.name().to_string());
+                tensors.push((t.name.clone(), "U8", vec![rows, row_bytes], q.as_bytes()));
+            }
+            None => {
+                let dtype = match t.dtype {
+                    DType::F32 => "F32",
+                    DType::Bf16 => "BF16",
+                    DType::F16 => "F16",
+                    DType::Q8 | DType::Q4 => {
+                        // Already quantized in the source folder: keep its format.
+                        let format = t.dtype.quant().expect("quantized");
+                        metadata.insert(quant_key(&t.name), format.name().to_string());
+                        let rows = t.shape[0];
+                        tensors.push((t.name.clone(), "U8", vec![rows, t.size_bytes() / rows], t.as_bytes()));
+                        continue;
+                    }
+                };
+                tensors.push((t.name.clone(), dtype, t.shape.clone(), t.as_bytes()));
+            }
+        }
+    }
+    write_safetensors(&out.join("model.safetensors"), &tensors, &metadata)?;
+    for f in COPIED {
+        let from = src.join(f);
+        if from.is_file() {
+            std::fs::copy(&from, out.join(f)).map_err(|e| Error::io(&from, e))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,207 @@
+//! INT8/INT4 models end to end on the tiny fixtures: quantized logits stay
+//! close to the float ones, a written quantized folder loads back bit for
+//! bit, bad quantized files are clear errors, and the evaluation tool's
+//! figures behave.
+
+mod common;
+
+use common::{fixtures, reference, Scratch};
+use ember_model::{eval, load_qwen2, DType, Quant, Qwen2, TensorStore};
+
+const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
+
+/// The last position's logits, all of it as matrix products (the LM head
+/// too, which `forward_batch` runs as a mat-vec).
+fn logits(model: &Qwen2, ids: &[u32]) -> Vec<f32> {
+    let mut state = model.new_state(64);
+    let mut out = vec![0.0; model.config.vocab_size];
+    model.forward_batch_logits(&mut state, ids, ids.len() - 1, &mut out).unwrap();
+    out
+}
+
+fn decode_logits(model: &Qwen2, ids: &[u32]) -> Vec<f32> {
+    let mut state = model.new_state(64);
+    let mut out = Vec::new();
+    for &id in ids {
+        out = model.forward(&mut state, id, true).unwrap().unwrap().to_vec();
+    }
+    out
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// `m` with every quantized matrix widened back to F32: the float model the
+/// quantized kernels must reproduce.
+fn dequantized(m: &Qwen2, dir: &std::path::Path) -> Qwen2 {
+    let mut f = load_qwen2(dir).unwrap();
+    for (a, b) in f.layers.iter_mut().zip(&m.layers) {
+        for (x, y) in [
+            (&mut a.q_proj, &b.q_proj),
+            (&mut a.k_proj, &b.k_proj),
+            (&mut a.v_proj, &b.v_proj),
+            (&mut a.o_proj, &b.o_proj),
+            (&mut a.gate_proj, &b.gate_proj),
+            (&mut a.up_proj, &b.up_proj),
+            (&mut a.down_proj, &b.down_proj),
+        ] {
+            x.weight = y.weight.dequantize();
+        }
+    }
+    f.embed_tokens = m.embed_tokens.dequantize();
+    f.lm_head = m.lm_head.dequantize();
+    f
+}
+
+#[test]
+fn quantized_kernels_reproduce_the_dequantized_model() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let dir = fixtures().join(variant);
+        let float = load_qwen2(&dir).unwrap();
+        for q in [Quant::Int8, Quant::Int4] {
+            let mut m = load_qwen2(&dir).unwrap();
+            m.quantize(q);
+            assert_eq!(m.layers[0].q_proj.weight.dtype.quant(), Some(q), "{variant}");
+            let want = logits(&dequantized(&m, &dir), &r.ids);
+            // Batched prefill computes with the dequantized weights (as two
+            // BF16 terms on AMX: 2^-16 of each weight): f32-class agreement.
+            let d = max_rel(&logits(&m, &r.ids), &want);
+            assert!(d < 1e-4, "{variant} {} batched: relative difference {d}", q.name());
+            // Decoding runs on int8 activations: their rounding (1/254 of a
+            // block's largest value) is the only difference left. On these
+            // random 3-layer models it moves logits by up to 4.5% of the
+            // largest; the bar catches a broken kernel (errors of order 1),
+            // the kernels' exactness is pinned by ember-kernels' tests.
+            let d = max_rel(&decode_logits(&m, &r.ids), &want);
+            assert!(d < 0.1, "{variant} {} decode: relative difference {d}", q.name());
+            // And quantizing did change the model.
+            assert!(max_rel(&want, &logits(&float, &r.ids)) > 1e-3, "{variant} {}", q.name());
+        }
+    }
+}
+
+#[test]
+fn int4_keeps_the_chosen_matrices_at_int8() {
+    let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    m.quantize(Quant::Int4);
+    let l = &m.layers[0];
+    assert_eq!(l.q_proj.weight.dtype, DType::Q4);
+    assert_eq!(l.gate_proj.weight.dtype, DType::Q4);
+    assert_eq!(l.k_proj.weight.dtype, DType::Q8);
+    assert_eq!(l.v_proj.weight.dtype, DType::Q8);
+    assert_eq!(l.down_proj.weight.dtype, DType::Q8);
+    assert_eq!(m.embed_tokens.dtype, DType::Q8);
+    assert_eq!(m.lm_head.dtype, DType::Q8);
+}
+
+#[test]
+fn a_written_quantized_folder_loads_back_identically() {
+    for variant in ["tiny-tied", "tiny-untied"] {
+        let r = reference(variant);
+        let src = fixtures().join(variant);
+        for q in [Quant::Int8, Quant::Int4] {
+            let mut m = load_qwen2(&src).unwrap();
+            m.quantize(q);
+            let out = Scratch::new("quantized");
+            let store = TensorStore::open_dir(&src).unwrap();
+            ember_model::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
+            let back = load_qwen2(out.path()).unwrap();
+            assert_eq!(back.layers[1].up_proj.weight.dtype, m.layers[1].up_proj.weight.dtype);
+            assert_eq!(back.layers[1].up_proj.weight.as_bytes(), m.layers[1].up_proj.weight.as_bytes());
+            assert_eq!(logits(&back, &r.ids), logits(&m, &r.ids), "{variant} {}", q.name());
+            // Quantizing an already quantized folder changes nothing.
+            let mut again = load_qwen2(out.path()).unwrap();
+            again.quantize(q);
+            assert_eq!(logits(&again, &r.ids), logits(&m, &r.ids));
+        }
+    }
+}
+
+/// Rewrites the JSON header of `file` with `edit`, keeping the data.
+fn edit_header(file: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let mut head = serde_json::to_vec(&header).unwrap();
+    while head.len() < n {
+        head.push(b' ');
+    }
+    assert_eq!(head.len(), n, "edited header must not grow");
+    let mut out = bytes[..8].to_vec();
+    out.extend(head);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(file, out).unwrap();
+}
+
+#[test]
+fn bad_quantized_files_are_clear_errors() {
+    let src = fixtures().join("tiny-tied");
+    let mut m = load_qwen2(&src).unwrap();
+    m.quantize(Quant::Int8);
+    let name = "model.layers.0.mlp.up_proj.weight";
+    for (what, edit, needle) in [
+        (
+            "unknown format",
+            Box::new(|h: &mut serde_json::Value| {
+                h["__metadata__"][format!("ember.quant.{name}")] = "int3".into();
+            }) as Box<dyn FnOnce(&mut serde_json::Value)>,
+            "unknown ember format",
+        ),
+        (
+            "ragged rows",
+            Box::new(|h: &mut serde_json::Value| {
+                let shape = h[name]["shape"].as_array().unwrap().clone();
+                let (rows, bytes) = (shape[0].as_u64().unwrap(), shape[1].as_u64().unwrap());
+                h[name]["shape"] = serde_json::json!([rows * 4, bytes / 4]);
+            }),
+            "int8 data of shape",
+        ),
+    ] {
+        let out = Scratch::new("bad-quant");
+        let store = TensorStore::open_dir(&src).unwrap();
+        ember_model::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
+        edit_header(&out.path().join("model.safetensors"), edit);
+        let err = load_qwen2(out.path()).err().unwrap_or_else(|| panic!("{what}: loaded"));
+        assert!(err.to_string().contains(needle), "{what}: {err}");
+    }
+}
+
+#[test]
+fn every_position_logits_match_transformers() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let model = load_qwen2(&fixtures().join(variant)).unwrap();
+        let v = model.config.vocab_size;
+        let from = 3;
+        let mut out = vec![0.0; (r.ids.len() - from) * v];
+        let mut state = model.new_state(64);
+        model.forward_batch_logits(&mut state, &r.ids, from, &mut out).unwrap();
+        for (i, want) in r.logits[from..].iter().enumerate() {
+            for (a, b) in out[i * v..(i + 1) * v].iter().zip(want) {
+                assert!((a - b).abs() <= 1e-4, "{variant} position {}: {a} vs {b}", from + i);
+            }
+        }
+    }
+}
+
+#[test]
+fn evaluation_against_itself_and_a_quantized_copy() {
+    let dir = fixtures().join("tiny-untied");
+    let base = load_qwen2(&dir).unwrap();
+    let r = reference("tiny-untied");
+    let tokens: Vec<u32> = r.ids.iter().cycle().take(4 * 16).copied().collect();
+    let own = eval::evaluate(&base, None, &tokens, 16, |_, _| {}).unwrap();
+    assert_eq!((own.windows, own.tokens), (4, 4 * 7));
+    assert!(own.ppl.is_finite() && own.ppl > 1.0);
+    assert_eq!((own.kld_mean, own.top1), (0.0, 1.0));
+    let mut q = load_qwen2(&dir).unwrap();
+    q.quantize(Quant::Int4);
+    let vs = eval::evaluate(&q, Some(&base), &tokens, 16, |_, _| {}).unwrap();
+    assert!((vs.base_ppl - own.ppl).abs() < 1e-9 * own.ppl);
+    assert!(vs.kld_mean > 0.0 && vs.kld_p99 >= vs.kld_mean && vs.top1 <= 1.0);
+    assert!(eval::evaluate(&base, None, &tokens[..10], 16, |_, _| {}).is_err(), "shorter than a window");
+}
