@@ -17,9 +17,10 @@ cargo xtask <task> [options]
 tasks:
   fetch [--force]           download the test model (Qwen2.5-Coder-0.5B-Instruct) into
                             $EMBER_MODELS (default ~/.cache/ember-models) and print its folder
-  parity [--model DIR] [--reference FILE]
+  parity [--model DIR] [--reference FILE] [--quant int8|int4]
                             greedy ids and top-10 logits against transformers' reference
-                            (default fixtures/reference/greedy.jsonl)
+                            (default fixtures/reference/greedy.jsonl); with --quant, a report
+                            of the quantized model's greedy text instead of a gate
   e2e                       the ember binary end to end on the real model: seeded
                             sampling, a piped two-turn chat
   test                      the whole suite: fetch, `cargo test --workspace` under every

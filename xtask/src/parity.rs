@@ -61,6 +61,7 @@ struct Prompt {
 struct EmberOut {
     prompt_ids: Vec<u32>,
     ids: Vec<u32>,
+    text: String,
     top_logits: Top,
 }
 
@@ -68,13 +69,15 @@ pub fn run(args: &[String]) -> Result<()> {
     let root = crate::root();
     let mut model = None;
     let mut references = Vec::new();
+    let mut quant = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--model" => model = Some(PathBuf::from(it.next().context("--model needs a folder")?)),
             "--reference" => references.push(PathBuf::from(it.next().context("--reference needs a file")?)),
+            "--quant" => quant = Some(it.next().context("--quant needs int8 or int4")?.clone()),
             other => {
-                bail!("unknown option `{other}` (parity takes --model DIR and --reference FILE)")
+                bail!("unknown option `{other}` (parity takes --model DIR, --reference FILE and --quant Q)")
             }
         }
     }
@@ -100,6 +103,9 @@ pub fn run(args: &[String]) -> Result<()> {
         }
     }
     let ember = crate::build_ember()?;
+    if let Some(q) = quant {
+        return report_quantized(&ember, &model, &refs, &q);
+    }
 
     let (mut passed, mut failed) = (0, 0);
     for (r, prompt) in &refs {
@@ -117,6 +123,25 @@ pub fn run(args: &[String]) -> Result<()> {
     println!("parity: {passed} passed, {failed} failed");
     if failed > 0 {
         bail!("{failed} of {} prompts differ from transformers", refs.len());
+    }
+    Ok(())
+}
+
+/// With `--quant`: a report, not a gate. A quantized model is a different
+/// model, so its greedy text may leave transformers' late; this prints, per
+/// prompt, how many greedy tokens agree and the text it generated.
+fn report_quantized(ember: &Path, model: &Path, refs: &[(Reference, Option<Prompt>)], quant: &str) -> Result<()> {
+    for (r, prompt) in refs {
+        let max_tokens = r.greedy_ids.len().max(1).to_string();
+        let (got, via) = run_ember(ember, model, r, prompt.as_ref(), &["--max-tokens", &max_tokens, "--quant", quant])?;
+        let same = got.ids.iter().zip(&r.greedy_ids).take_while(|(a, b)| a == b).count();
+        let at = if same < r.greedy_ids.len() {
+            format!(" (first difference at step {same}, transformers' margin there {:.3})", r.margins[same])
+        } else {
+            String::new()
+        };
+        println!("{quant} {:<14} ({via}) greedy {same}/{} equal{at}", r.name, r.greedy_ids.len());
+        println!("      {:?}", got.text);
     }
     Ok(())
 }

@@ -28,6 +28,12 @@ pub struct Args {
     #[arg(long, default_value_t = 512)]
     ctx: usize,
 
+    /// Run the evaluated model one token at a time, as decoding does (for
+    /// quantized weights: integer kernels on int8 activations), instead of
+    /// one batched prefill per window. Slower.
+    #[arg(long)]
+    token_by_token: bool,
+
     /// Worker threads (default: the number of physical CPU cores).
     #[arg(short, long)]
     threads: Option<usize>,
@@ -76,7 +82,8 @@ pub fn run(args: Args) -> Result<()> {
         None => (&base, None),
     };
     let start = Instant::now();
-    let report = eval::evaluate(model, base, &tokens, args.ctx, |done, total| {
+    let path = if args.token_by_token { eval::Path::TokenByToken } else { eval::Path::Batched };
+    let report = eval::evaluate_with(model, base, &tokens, args.ctx, path, |done, total| {
         eprint!("\reval: window {done}/{total}, {:.0} s", start.elapsed().as_secs_f64());
         let _ = std::io::stderr().flush();
     })?;

@@ -40,6 +40,17 @@ struct Score {
     same_top: bool,
 }
 
+/// How the evaluated model runs each window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Path {
+    /// The whole window as one batched prefill (matrix products).
+    #[default]
+    Batched,
+    /// One token at a time, as decoding runs (for quantized weights: the
+    /// integer kernels on int8 activations).
+    TokenByToken,
+}
+
 /// Evaluates `model` on `tokens` in windows of `ctx` against `base` (`None`:
 /// the model is its own base, so KL is 0 and top-1 agreement 1).
 /// `progress(done, total)` is called after each window.
@@ -48,6 +59,19 @@ pub fn evaluate(
     base: Option<&Qwen2>,
     tokens: &[u32],
     ctx: usize,
+    progress: impl FnMut(usize, usize),
+) -> Result<EvalReport> {
+    evaluate_with(model, base, tokens, ctx, Path::Batched, progress)
+}
+
+/// [`evaluate`] with the evaluated model run along `path` (the base always
+/// runs batched).
+pub fn evaluate_with(
+    model: &Qwen2,
+    base: Option<&Qwen2>,
+    tokens: &[u32],
+    ctx: usize,
+    path: Path,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport> {
     if ctx < 4 {
@@ -71,7 +95,17 @@ pub fn evaluate(
     for w in 0..windows {
         let window = &tokens[w * ctx..(w + 1) * ctx];
         let mut state = model.new_state(ctx);
-        model.forward_batch_logits(&mut state, window, first, &mut logits)?;
+        match path {
+            Path::Batched => model.forward_batch_logits(&mut state, window, first, &mut logits)?,
+            Path::TokenByToken => {
+                for (j, &id) in window.iter().enumerate() {
+                    let out = model.forward(&mut state, id, j >= first)?;
+                    if let Some(l) = out {
+                        logits[(j - first) * vocab..(j - first + 1) * vocab].copy_from_slice(l);
+                    }
+                }
+            }
+        }
         if let Some(b) = base {
             let mut state = b.new_state(ctx);
             b.forward_batch_logits(&mut state, window, first, &mut base_logits)?;

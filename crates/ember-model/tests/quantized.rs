@@ -204,4 +204,7 @@ fn evaluation_against_itself_and_a_quantized_copy() {
     assert!((vs.base_ppl - own.ppl).abs() < 1e-9 * own.ppl);
     assert!(vs.kld_mean > 0.0 && vs.kld_p99 >= vs.kld_mean && vs.top1 <= 1.0);
     assert!(eval::evaluate(&base, None, &tokens[..10], 16, |_, _| {}).is_err(), "shorter than a window");
+    // Token by token, a float model scores as it does batched.
+    let tbt = eval::evaluate_with(&base, Some(&base), &tokens, 16, eval::Path::TokenByToken, |_, _| {}).unwrap();
+    assert!((tbt.ppl - own.ppl).abs() < 1e-4 * own.ppl && tbt.kld_mean < 1e-9 && tbt.top1 == 1.0);
 }
