@@ -13,7 +13,7 @@ pub struct Args {
     #[arg(short, long)]
     model: Option<PathBuf>,
 
-    /// `int8` or `int4` (with `int4`, the embedding / LM head and the k, v and
+    /// `int8` or `int4` (with `int4`, the embedding / LM head and the k, v, o and
     /// down projections stay at 8 bits).
     #[arg(long, value_parser = crate::runtime::parse_quant)]
     quant: Quant,

@@ -25,7 +25,7 @@ pub struct RuntimeArgs {
     pub threads: Option<usize>,
 
     /// Quantize the weights at load: `int8` or `int4` (the embedding / LM
-    /// head stays at 8 bits with `int4`).
+    /// head and the k, v, o and down projections stay at 8 bits with `int4`).
     #[arg(long, value_parser = parse_quant)]
     pub quant: Option<Quant>,
 }

@@ -39,4 +39,4 @@ pub use isa::Isa;
 pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls};
 pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs, MatRef, Weights};
 pub use pool::ThreadPool;
-pub use quant::{BlockQ4, BlockQ8, Quant};
+pub use quant::{BlockQ4, BlockQ8, Format, Quant};

@@ -22,9 +22,10 @@
 //! squared error. That costs a few microseconds per block at load and removes
 //! a good part of the error of the fixed `max / −8` rule.
 //!
-//! Each format has: `quantize_*_row`, `dequantize_*_row`, a reference dot
-//! (`dot_*_scalar`, the specification) and the fast dots in `avx2` that the
-//! mat-vec uses, pinned to the reference by tests.
+//! Each format is a [`Format`] table ([`Int8`], [`Int4`]): quantize a row,
+//! dequantize a row, the reference dot (`dot_*_scalar`, the specification) and
+//! the fast dot; the mat-vec uses the four-row kernels in `avx2`, pinned to
+//! the reference by tests.
 
 use half::f16;
 
@@ -136,6 +137,77 @@ pub fn q4_from_bytes(b: &[u8]) -> Option<&[BlockQ4]> {
     }
     // SAFETY: as above.
     Some(unsafe { std::slice::from_raw_parts(b.as_ptr() as *const BlockQ4, b.len() / size) })
+}
+
+/// One weight format as a table: its block, quantizing and dequantizing a
+/// row, the reference dot product (the specification) and the fast one, and
+/// the activation format it pairs with (always [`BlockA8`], made by
+/// [`quantize_activations`]).
+pub trait Format {
+    type Block: Copy + std::fmt::Debug + PartialEq;
+    /// The command-line name.
+    const QUANT: Quant;
+    /// An all-zero block.
+    const ZERO: Self::Block;
+    fn quantize_row(src: &[f32], dst: &mut [Self::Block]);
+    fn dequantize_row(src: &[Self::Block], dst: &mut [f32]);
+    /// `Σ w·x` over the blocks, integer products per block.
+    fn dot_reference(w: &[Self::Block], x: &[BlockA8]) -> f32;
+    /// [`Format::dot_reference`] with the given tier's kernel.
+    fn dot(isa: crate::isa::Isa, w: &[Self::Block], x: &[BlockA8]) -> f32;
+}
+
+/// The INT8 format ([`BlockQ8`]).
+pub struct Int8;
+/// The INT4 format ([`BlockQ4`]).
+pub struct Int4;
+
+impl Format for Int8 {
+    type Block = BlockQ8;
+    const QUANT: Quant = Quant::Int8;
+    const ZERO: BlockQ8 = BlockQ8::ZERO;
+    fn quantize_row(src: &[f32], dst: &mut [BlockQ8]) {
+        quantize_q8_row(src, dst)
+    }
+    fn dequantize_row(src: &[BlockQ8], dst: &mut [f32]) {
+        dequantize_q8_row(src, dst)
+    }
+    fn dot_reference(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
+        dot_q8_scalar(w, x)
+    }
+    fn dot(isa: crate::isa::Isa, w: &[BlockQ8], x: &[BlockA8]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if isa >= crate::isa::Isa::Avx2 {
+            // SAFETY: callers pass supported tiers.
+            return unsafe { avx2::dot_q8(w, x) };
+        }
+        let _ = isa;
+        dot_q8_scalar(w, x)
+    }
+}
+
+impl Format for Int4 {
+    type Block = BlockQ4;
+    const QUANT: Quant = Quant::Int4;
+    const ZERO: BlockQ4 = BlockQ4::ZERO;
+    fn quantize_row(src: &[f32], dst: &mut [BlockQ4]) {
+        quantize_q4_row(src, dst)
+    }
+    fn dequantize_row(src: &[BlockQ4], dst: &mut [f32]) {
+        dequantize_q4_row(src, dst)
+    }
+    fn dot_reference(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
+        dot_q4_scalar(w, x)
+    }
+    fn dot(isa: crate::isa::Isa, w: &[BlockQ4], x: &[BlockA8]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if isa >= crate::isa::Isa::Avx2 {
+            // SAFETY: callers pass supported tiers.
+            return unsafe { avx2::dot_q4(w, x) };
+        }
+        let _ = isa;
+        dot_q4_scalar(w, x)
+    }
 }
 
 // ---------------------------------------------------------------- INT8
@@ -515,10 +587,43 @@ mod tests {
         a
     }
 
-    /// ggml's limits for its tests on synthetic data in [-1, 1): round-trip
-    /// RMSE 0.002 (INT8), and a dot error of 0.02 per element's worth.
-    const RT_RMSE_Q8: f32 = 0.002;
-    const RT_RMSE_Q4: f32 = 0.05;
+    /// Round-trip RMSE limits on uniform data in [-1, 1). ggml tests its
+    /// 8-bit types at 0.002 on its own synthetic data; on uniform data the
+    /// rounding error of a step `d = 1/127` is `d/√12 = 0.00227`, so 0.0025 is
+    /// that bound plus margin. For INT4 (`d ≈ 1/7.5`): `0.0385`, limit 0.045.
+    const RT_RMSE_Q8: f32 = 0.0025;
+    const RT_RMSE_Q4: f32 = 0.045;
+    /// ggml's dot-product bar: |quantized dot − exact| per element below 0.02;
+    /// here divided by √n instead of n, which is stricter.
+    const DOT_ERROR_Q8: f32 = 0.02;
+    const DOT_ERROR_Q4: f32 = 0.2;
+
+    /// The table of a format, exercised generically.
+    fn format_contract<F: Format>(rmse_limit: f32, dot_limit: f32) {
+        let n = 4096;
+        let w = synth(n, 21);
+        let x = synth(n, 22);
+        let mut q = vec![F::ZERO; n / QK];
+        F::quantize_row(&w, &mut q);
+        let mut back = vec![0.0; n];
+        F::dequantize_row(&q, &mut back);
+        let e = rmse(&w, &back);
+        assert!(e < rmse_limit, "{} rmse {e}", F::QUANT.name());
+        let a = act(&x);
+        let reference = F::dot_reference(&q, &a);
+        let exact: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+        assert!((reference - exact).abs() / (n as f32).sqrt() < dot_limit, "{}", F::QUANT.name());
+        for isa in crate::isa::Isa::supported() {
+            let fast = F::dot(isa, &q, &a);
+            assert!((fast - reference).abs() <= 1e-5 * n as f32, "{} {isa:?}: {fast} vs {reference}", F::QUANT.name());
+        }
+    }
+
+    #[test]
+    fn each_format_keeps_its_contract() {
+        format_contract::<Int8>(RT_RMSE_Q8, DOT_ERROR_Q8);
+        format_contract::<Int4>(RT_RMSE_Q4, DOT_ERROR_Q4);
+    }
 
     #[test]
     fn round_trip_error_is_small() {
@@ -527,7 +632,7 @@ mod tests {
         let mut back = vec![0.0; 4096];
         quantize_q8_row(&x, &mut q8);
         dequantize_q8_row(&q8, &mut back);
-        assert!(rmse(&x, &back) < RT_RMSE_Q8 * 2.5, "q8 rmse {}", rmse(&x, &back));
+        assert!(rmse(&x, &back) < RT_RMSE_Q8, "q8 rmse {}", rmse(&x, &back));
         let mut q4 = vec![BlockQ4::ZERO; 128];
         quantize_q4_row(&x, &mut q4);
         dequantize_q4_row(&q4, &mut back);
@@ -587,7 +692,7 @@ mod tests {
             for (name, got, wd) in [("q8", dot_q8_scalar(&q8, &a), &w8), ("q4", dot_q4_scalar(&q4, &a), &w4)] {
                 let want: f32 = wd.iter().zip(&xd).map(|(a, b)| a * b).sum();
                 assert!((got - want).abs() <= 1e-4 * (n as f32).sqrt(), "{name} n={n}: {got} vs {want}");
-                let bar = if name == "q8" { 0.02 } else { 0.2 };
+                let bar = if name == "q8" { DOT_ERROR_Q8 } else { DOT_ERROR_Q4 };
                 assert!((got - exact).abs() / (n as f32).sqrt() < bar, "{name} n={n}: {got} vs exact {exact}");
             }
         }

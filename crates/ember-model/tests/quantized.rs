@@ -93,6 +93,8 @@ fn int4_keeps_the_chosen_matrices_at_int8() {
     assert_eq!(l.k_proj.weight.dtype, DType::Q8);
     assert_eq!(l.v_proj.weight.dtype, DType::Q8);
     assert_eq!(l.down_proj.weight.dtype, DType::Q8);
+    assert_eq!(l.o_proj.weight.dtype, DType::Q8);
+    assert_eq!(l.up_proj.weight.dtype, DType::Q4);
     assert_eq!(m.embed_tokens.dtype, DType::Q8);
     assert_eq!(m.lm_head.dtype, DType::Q8);
 }
