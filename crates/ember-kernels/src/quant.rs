@@ -404,14 +404,14 @@ pub(crate) mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(n, x), _mm256_set1_epi16(1))
     }
 
-    /// The 32 nibbles of a block as bytes, weight j in lane j.
+    /// The 32 nibbles of a block as bytes, weight j in lane j: the 16 bytes
+    /// in both halves, the upper half shifted right by 4, then masked.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn nibbles(qs: *const u8) -> __m256i {
-        let b = _mm_loadu_si128(qs as *const __m128i);
-        let lo = _mm_and_si128(b, _mm_set1_epi8(15));
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), _mm_set1_epi8(15));
-        _mm256_set_m128i(hi, lo)
+        let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
+        let shifted = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(15))
     }
 
     #[inline]
