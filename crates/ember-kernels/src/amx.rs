@@ -518,6 +518,13 @@ mod avx512 {
         _mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000u32 as i32))
     }
 
+    /// The high 16 bits of sixteen 32-bit lanes (BF16 bits) to `dst[..16]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_high_halves(dst: *mut u16, v: __m512i) {
+        _mm256_storeu_si256(dst as *mut __m256i, _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(v)));
+    }
+
     #[target_feature(enable = "avx512f")]
     pub unsafe fn split_f32(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
         let n = src.len();
@@ -526,14 +533,8 @@ mod avx512 {
             let v = _mm512_loadu_ps(src.as_ptr().add(i));
             let h = round_bf16(v);
             let l = round_bf16(_mm512_sub_ps(v, _mm512_castsi512_ps(h)));
-            _mm256_storeu_si256(
-                hi.as_mut_ptr().add(i) as *mut __m256i,
-                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(h)),
-            );
-            _mm256_storeu_si256(
-                lo.as_mut_ptr().add(i) as *mut __m256i,
-                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(l)),
-            );
+            store_high_halves(hi.as_mut_ptr().add(i), h);
+            store_high_halves(lo.as_mut_ptr().add(i), l);
             i += 16;
         }
         super::split_f32_scalar(&src[i..], &mut hi[i..n], &mut lo[i..n]);
@@ -561,14 +562,8 @@ mod avx512 {
             let v = _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i));
             let h = _mm512_and_si512(_mm512_castps_si512(v), top);
             let l = _mm512_castps_si512(_mm512_sub_ps(v, _mm512_castsi512_ps(h)));
-            _mm256_storeu_si256(
-                hi.as_mut_ptr().add(i) as *mut __m256i,
-                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(h)),
-            );
-            _mm256_storeu_si256(
-                lo.as_mut_ptr().add(i) as *mut __m256i,
-                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(l)),
-            );
+            store_high_halves(hi.as_mut_ptr().add(i), h);
+            store_high_halves(lo.as_mut_ptr().add(i), l);
             i += 16;
         }
         super::split_f16_scalar(&src[i..], &mut hi[i..n], &mut lo[i..n]);

@@ -9,7 +9,7 @@ use crate::dot;
 use crate::isa::Isa;
 use crate::ops::silu_mul;
 use crate::pool::{self, SharedMut, ThreadPool};
-use crate::quant::{self, BlockA8, BlockQ4, BlockQ8, QK};
+use crate::quant::{self, BlockA8, BlockQ4, BlockQ8, Format, QK};
 use half::{bf16, f16};
 use std::cell::RefCell;
 
@@ -122,24 +122,8 @@ impl<'a> MatRef<'a> {
             Weights::F32(w) => out.copy_from_slice(&w[cols]),
             Weights::Bf16(w) => dot::widen_bf16(isa, &w[cols], out),
             Weights::F16(w) => dot::widen_f16(isa, &w[cols], out),
-            Weights::Q8(w) => {
-                let b = &w[cols.start / QK..cols.end / QK];
-                #[cfg(target_arch = "x86_64")]
-                if isa >= Isa::Avx2 {
-                    // SAFETY: the tier is supported.
-                    return unsafe { quant::avx2::dequantize_q8(b, out) };
-                }
-                quant::dequantize_q8_row(b, out)
-            }
-            Weights::Q4(w) => {
-                let b = &w[cols.start / QK..cols.end / QK];
-                #[cfg(target_arch = "x86_64")]
-                if isa >= Isa::Avx2 {
-                    // SAFETY: the tier is supported.
-                    return unsafe { quant::avx2::dequantize_q4(b, out) };
-                }
-                quant::dequantize_q4_row(b, out)
-            }
+            Weights::Q8(w) => quant::Int8::dequantize(isa, &w[cols.start / QK..cols.end / QK], out),
+            Weights::Q4(w) => quant::Int4::dequantize(isa, &w[cols.start / QK..cols.end / QK], out),
         }
     }
 

@@ -151,6 +151,8 @@ pub trait Format {
     const ZERO: Self::Block;
     fn quantize_row(src: &[f32], dst: &mut [Self::Block]);
     fn dequantize_row(src: &[Self::Block], dst: &mut [f32]);
+    /// [`Format::dequantize_row`] with the given tier's kernel (bit for bit).
+    fn dequantize(isa: crate::isa::Isa, src: &[Self::Block], dst: &mut [f32]);
     /// `Σ w·x` over the blocks, integer products per block.
     fn dot_reference(w: &[Self::Block], x: &[BlockA8]) -> f32;
     /// [`Format::dot_reference`] with the given tier's kernel.
@@ -162,53 +164,46 @@ pub struct Int8;
 /// The INT4 format ([`BlockQ4`]).
 pub struct Int4;
 
-impl Format for Int8 {
-    type Block = BlockQ8;
-    const QUANT: Quant = Quant::Int8;
-    const ZERO: BlockQ8 = BlockQ8::ZERO;
-    fn quantize_row(src: &[f32], dst: &mut [BlockQ8]) {
-        quantize_q8_row(src, dst)
-    }
-    fn dequantize_row(src: &[BlockQ8], dst: &mut [f32]) {
-        dequantize_q8_row(src, dst)
-    }
-    fn dot_reference(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
-        dot_q8_scalar(w, x)
-    }
-    fn dot(isa: crate::isa::Isa, w: &[BlockQ8], x: &[BlockA8]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if isa >= crate::isa::Isa::Avx2 {
-            // SAFETY: callers pass supported tiers.
-            return unsafe { avx2::dot_q8(w, x) };
+/// The [`Format`] table of one format from its functions.
+macro_rules! format_table {
+    ($format:ty, $block:ty, $quant:expr, $quantize:ident, $dequantize:ident, $fast_dequantize:ident, $reference:ident, $fast:ident) => {
+        impl Format for $format {
+            type Block = $block;
+            const QUANT: Quant = $quant;
+            const ZERO: $block = <$block>::ZERO;
+            fn quantize_row(src: &[f32], dst: &mut [$block]) {
+                $quantize(src, dst)
+            }
+            fn dequantize_row(src: &[$block], dst: &mut [f32]) {
+                $dequantize(src, dst)
+            }
+            fn dequantize(isa: crate::isa::Isa, src: &[$block], dst: &mut [f32]) {
+                #[cfg(target_arch = "x86_64")]
+                if isa >= crate::isa::Isa::Avx2 {
+                    // SAFETY: callers pass supported tiers.
+                    return unsafe { avx2::$fast_dequantize(src, dst) };
+                }
+                let _ = isa;
+                $dequantize(src, dst)
+            }
+            fn dot_reference(w: &[$block], x: &[BlockA8]) -> f32 {
+                $reference(w, x)
+            }
+            fn dot(isa: crate::isa::Isa, w: &[$block], x: &[BlockA8]) -> f32 {
+                #[cfg(target_arch = "x86_64")]
+                if isa >= crate::isa::Isa::Avx2 {
+                    // SAFETY: callers pass supported tiers.
+                    return unsafe { avx2::$fast(w, x) };
+                }
+                let _ = isa;
+                $reference(w, x)
+            }
         }
-        let _ = isa;
-        dot_q8_scalar(w, x)
-    }
+    };
 }
 
-impl Format for Int4 {
-    type Block = BlockQ4;
-    const QUANT: Quant = Quant::Int4;
-    const ZERO: BlockQ4 = BlockQ4::ZERO;
-    fn quantize_row(src: &[f32], dst: &mut [BlockQ4]) {
-        quantize_q4_row(src, dst)
-    }
-    fn dequantize_row(src: &[BlockQ4], dst: &mut [f32]) {
-        dequantize_q4_row(src, dst)
-    }
-    fn dot_reference(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
-        dot_q4_scalar(w, x)
-    }
-    fn dot(isa: crate::isa::Isa, w: &[BlockQ4], x: &[BlockA8]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if isa >= crate::isa::Isa::Avx2 {
-            // SAFETY: callers pass supported tiers.
-            return unsafe { avx2::dot_q4(w, x) };
-        }
-        let _ = isa;
-        dot_q4_scalar(w, x)
-    }
-}
+format_table!(Int8, BlockQ8, Quant::Int8, quantize_q8_row, dequantize_q8_row, dequantize_q8, dot_q8_scalar, dot_q8);
+format_table!(Int4, BlockQ4, Quant::Int4, quantize_q4_row, dequantize_q4_row, dequantize_q4, dot_q4_scalar, dot_q4);
 
 // ---------------------------------------------------------------- INT8
 
@@ -614,6 +609,9 @@ mod tests {
         let exact: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
         assert!((reference - exact).abs() / (n as f32).sqrt() < dot_limit, "{}", F::QUANT.name());
         for isa in crate::isa::Isa::supported() {
+            let mut fast_back = vec![f32::NAN; n];
+            F::dequantize(isa, &q, &mut fast_back);
+            assert_eq!(fast_back, back, "{} {isa:?} dequantize", F::QUANT.name());
             let fast = F::dot(isa, &q, &a);
             assert!((fast - reference).abs() <= 1e-5 * n as f32, "{} {isa:?}: {fast} vs {reference}", F::QUANT.name());
         }
