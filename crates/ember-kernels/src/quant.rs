@@ -497,19 +497,25 @@ pub(crate) mod avx2 {
         hsum(acc)
     }
 
+    /// 32 signed codes (one per byte) times `d`, to `y[..32]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store_scaled(q: __m256i, d: f32, y: *mut f32) {
+        let d = _mm256_set1_ps(d);
+        let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+        for (h, part) in halves.into_iter().enumerate() {
+            let lo = _mm256_cvtepi8_epi32(part);
+            let hi = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(part));
+            _mm256_storeu_ps(y.add(16 * h), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+            _mm256_storeu_ps(y.add(16 * h + 8), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+        }
+    }
+
     /// INT8 blocks to f32 (prefill widens a panel of rows at a time).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dequantize_q8(src: &[BlockQ8], dst: &mut [f32]) {
         for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
-            let d = _mm256_set1_ps(scale(b.d));
-            let q = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
-            let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
-            for (h, part) in halves.into_iter().enumerate() {
-                let lo = _mm256_cvtepi8_epi32(part);
-                let hi = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(part));
-                _mm256_storeu_ps(y.as_mut_ptr().add(16 * h), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
-                _mm256_storeu_ps(y.as_mut_ptr().add(16 * h + 8), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
-            }
+            store_scaled(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), scale(b.d), y.as_mut_ptr());
         }
     }
 
@@ -518,15 +524,7 @@ pub(crate) mod avx2 {
     pub unsafe fn dequantize_q4(src: &[BlockQ4], dst: &mut [f32]) {
         let eight = _mm256_set1_epi8(8);
         for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
-            let d = _mm256_set1_ps(scale(b.d));
-            let q = _mm256_sub_epi8(nibbles(b.qs.as_ptr()), eight);
-            let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
-            for (h, part) in halves.into_iter().enumerate() {
-                let lo = _mm256_cvtepi8_epi32(part);
-                let hi = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(part));
-                _mm256_storeu_ps(y.as_mut_ptr().add(16 * h), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
-                _mm256_storeu_ps(y.as_mut_ptr().add(16 * h + 8), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
-            }
+            store_scaled(_mm256_sub_epi8(nibbles(b.qs.as_ptr()), eight), scale(b.d), y.as_mut_ptr());
         }
     }
 
