@@ -189,9 +189,9 @@ fn pack_tile_scalar(rows: &[f32], cols: usize, dst: &mut [u16]) {
     }
 }
 
-/// Packs `x (T, cols)` into `buf` with the pool's threads and returns the
-/// packed view.
-pub fn pack<'b>(pool: &crate::ThreadPool, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> Packed<'b> {
+/// Packs `x (T, cols)` into `buf` with the pool's threads (or on the calling
+/// thread without a pool) and returns the packed view.
+pub fn pack<'b>(pool: Option<&crate::ThreadPool>, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> Packed<'b> {
     let t = x.len() / cols;
     assert!(cols.is_multiple_of(KSTEP) && x.len() == t * cols);
     let tiles = token_tiles(t);
@@ -199,11 +199,15 @@ pub fn pack<'b>(pool: &crate::ThreadPool, x: &[f32], cols: usize, buf: &'b mut V
     buf.resize(tiles * per_tile, 0);
     {
         let out = SharedMut::new(&mut buf[..]);
-        pool.run(|th, n| {
+        let work = |th, n| {
             let (a, b) = crate::pool::share(tiles, th, n, 1);
             // SAFETY: threads take disjoint tile ranges.
             pack_tiles(x, cols, a..b, unsafe { out.range(a * per_tile, b * per_tile) });
-        });
+        };
+        match pool {
+            Some(pool) => pool.run(work),
+            None => work(0, 1),
+        }
     }
     Packed { data: &buf[..], tokens: t, cols }
 }

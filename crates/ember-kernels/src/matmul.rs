@@ -136,9 +136,10 @@ thread_local! {
 }
 
 /// Runs `f` with `x (T, cols)` packed for AMX when the tier is AMX and some
-/// weight of the product can use it, else with `None`.
+/// weight of the product can use it, else with `None`. Packing is spread
+/// over `pool`, or done on the calling thread without one.
 fn with_packed<R>(
-    pool: &ThreadPool,
+    pool: Option<&ThreadPool>,
     isa: Isa,
     x: &[f32],
     cols: usize,
@@ -187,8 +188,8 @@ pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
     }
     let cols = jobs[0].0.cols;
     let jobs = jobs.map(|(w, y)| (w, Out::new(y, w.rows)));
-    let weights: Vec<MatRef> = jobs.iter().map(|(w, _)| *w).collect();
-    with_packed(pool, isa, x, cols, &weights, |packed| {
+    let weights: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
+    with_packed(Some(pool), isa, x, cols, &weights, |packed| {
         pool.run(|th, n| {
             let (a, b) = pool::share(total, th, n, ALIGN);
             let mut offset = 0;
@@ -214,7 +215,7 @@ pub fn matmul_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols, "x is (T, cols)");
     assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
     let out = Out::new(y, w.rows);
-    with_packed(&ThreadPool::new(1), isa, x, w.cols, &[w], |packed| product_rows(isa, w, 0..w.rows, x, packed, &out));
+    with_packed(None, isa, x, w.cols, &[w], |packed| product_rows(isa, w, 0..w.rows, x, packed, &out));
 }
 
 /// SwiGLU's first half for a block: `out = silu(X @ gateᵀ) * (X @ upᵀ)`.
@@ -230,7 +231,7 @@ pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_
     assert_eq!(up_scratch.len(), t * rows, "up_scratch is (T, rows)");
     let isa = Isa::active();
     let (g, u) = (Out::new(out, rows), Out::new(up_scratch, rows));
-    with_packed(pool, isa, x, cols, &[gate, up], |packed| {
+    with_packed(Some(pool), isa, x, cols, &[gate, up], |packed| {
         pool.run(|th, n| {
             let (a, b) = pool::share(rows, th, n, ALIGN);
             if a == b {

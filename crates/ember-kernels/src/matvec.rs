@@ -137,14 +137,8 @@ impl<'a> MatRef<'a> {
             Weights::F32(w) => dot::dot_f32(isa, &w[s], x),
             Weights::Bf16(w) => dot::dot_bf16(isa, &w[s], x),
             Weights::F16(w) => dot::dot_f16(isa, &w[s], x),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier is supported.
-            Weights::Q8(w) if isa >= Isa::Avx2 => unsafe { quant::avx2::dot_q8(&w[blocks], xq) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier is supported.
-            Weights::Q4(w) if isa >= Isa::Avx2 => unsafe { quant::avx2::dot_q4(&w[blocks], xq) },
-            Weights::Q8(w) => quant::dot_q8_scalar(&w[blocks], xq),
-            Weights::Q4(w) => quant::dot_q4_scalar(&w[blocks], xq),
+            Weights::Q8(w) => quant::Int8::dot(isa, &w[blocks], xq),
+            Weights::Q4(w) => quant::Int4::dot(isa, &w[blocks], xq),
         }
     }
 
@@ -261,7 +255,8 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
         weights += w.rows * w.cols;
     }
     let jobs = jobs.map(|(w, y)| (w, SharedMut::new(y)));
-    let all: Vec<&Weights> = jobs.iter().map(|(w, _)| &w.weights).collect();
+    // An array, not a Vec: this runs for every mat-vec of every token.
+    let all: [&Weights; N] = std::array::from_fn(|i| &jobs[i].0.weights);
     with_quantized(x, &all, |xq| {
         let work = |t: usize, n: usize| {
             let (a, b) = pool::share(total, t, n, ROW_ALIGN);

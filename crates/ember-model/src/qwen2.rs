@@ -349,12 +349,13 @@ impl Qwen2 {
         }
         assert_eq!(logits.len(), (t - from) * v, "logits is (T - from, vocab)");
         self.run_block(state, tokens)?;
-        let x = &state.batch.x[from * h..t * h];
-        let mut normed = vec![0.0f32; x.len()];
+        // The block's scratch `h` is free once the layers have run.
+        let b = &mut state.batch;
+        let (x, normed) = (&b.x[from * h..t * h], &mut b.h[..(t - from) * h]);
         for (xr, nr) in x.chunks_exact(h).zip(normed.chunks_exact_mut(h)) {
             rmsnorm(xr, &self.norm, self.config.rms_norm_eps, nr);
         }
-        matmul(pool::global(), self.lm_head.matrix(), &normed, logits);
+        matmul(pool::global(), self.lm_head.matrix(), normed, logits);
         Ok(())
     }
 

@@ -177,21 +177,24 @@ impl Tensor {
             let out = ember_kernels::pool::SharedMut::new(bytes);
             ember_kernels::pool::global().run(|t, n| {
                 let (a, b) = ember_kernels::pool::share(rows, t, n, 1);
+                // One row and one row of blocks per thread, reused.
                 let mut row = vec![0.0f32; cols];
+                let (mut q8, mut q4) = match q {
+                    Quant::Int8 => (vec![BlockQ8::ZERO; cols / QK], Vec::new()),
+                    Quant::Int4 => (Vec::new(), vec![BlockQ4::ZERO; cols / QK]),
+                };
                 for r in a..b {
                     m.row_to_f32(r, &mut row);
                     // SAFETY: threads take disjoint rows.
                     let dst = unsafe { out.range(r * row_bytes, (r + 1) * row_bytes) };
                     match q {
                         Quant::Int8 => {
-                            let mut blocks = vec![BlockQ8::ZERO; cols / QK];
-                            quant::quantize_q8_row(&row, &mut blocks);
-                            dst.copy_from_slice(quant::q8_bytes(&blocks));
+                            quant::quantize_q8_row(&row, &mut q8);
+                            dst.copy_from_slice(quant::q8_bytes(&q8));
                         }
                         Quant::Int4 => {
-                            let mut blocks = vec![BlockQ4::ZERO; cols / QK];
-                            quant::quantize_q4_row(&row, &mut blocks);
-                            dst.copy_from_slice(quant::q4_bytes(&blocks));
+                            quant::quantize_q4_row(&row, &mut q4);
+                            dst.copy_from_slice(quant::q4_bytes(&q4));
                         }
                     }
                 }
