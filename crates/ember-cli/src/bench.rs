@@ -37,7 +37,7 @@ pub struct Args {
 
     /// Quantize the weights at load (`int8` or `int4`) and measure that.
     #[arg(long, value_parser = crate::runtime::parse_quant)]
-    quant: Option<ember_model::Quant>,
+    quant: Option<ember_model::WeightType>,
 
     /// Print one JSON array, an object per test.
     #[arg(long)]
@@ -84,7 +84,7 @@ pub fn run(args: Args) -> Result<()> {
     let threads = init_threads(args.threads.first().copied())?;
     let mut model = ember_model::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     if let Some(q) = args.quant {
-        model.quantize(q);
+        model.quantize(&crate::runtime::quant_policy(q)?);
     }
     let bytes_per_token = model.weight_bytes_per_token();
 

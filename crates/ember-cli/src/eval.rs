@@ -4,7 +4,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{eval, load_qwen2, Quant, Tokenizer};
+use ember_model::{eval, load_qwen2, Tokenizer, WeightType};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -18,7 +18,7 @@ pub struct Args {
     /// Quantize to `int8` or `int4` at load and compare with the weights as
     /// stored (without it, the model is measured against itself).
     #[arg(long, value_parser = crate::runtime::parse_quant)]
-    quant: Option<Quant>,
+    quant: Option<WeightType>,
 
     /// A UTF-8 text file; its tokens are cut into windows of --ctx.
     #[arg(long)]
@@ -71,7 +71,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(q) => {
             let start = Instant::now();
             let mut m = load_qwen2(&dir)?;
-            m.quantize(q);
+            m.quantize(&crate::runtime::quant_policy(q)?);
             eprintln!("quantized to {} in {:.1} s", q.name(), start.elapsed().as_secs_f64());
             Some(m)
         }

@@ -64,9 +64,19 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {e:#}{}", hint(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// What the user can do about a library error, in terms of this CLI's
+/// flags (the library does not know them).
+fn hint(e: &anyhow::Error) -> &'static str {
+    match e.chain().find_map(|c| c.downcast_ref::<ember_model::Error>()) {
+        Some(ember_model::Error::MissingModelDir(_)) => " (run `cargo xtask fetch`, or pass --model DIR)",
+        Some(ember_model::Error::PromptTooLong { .. }) => " (raise --ctx)",
+        _ => "",
     }
 }
 

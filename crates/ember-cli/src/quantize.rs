@@ -3,7 +3,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{load_qwen2, Config, Quant, TensorStore};
+use ember_model::{load_qwen2, Config, TensorStore, WeightType};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -16,7 +16,7 @@ pub struct Args {
     /// `int8` or `int4` (with `int4`, the embedding / LM head and the k, v, o and
     /// down projections stay at 8 bits).
     #[arg(long, value_parser = crate::runtime::parse_quant)]
-    quant: Quant,
+    quant: WeightType,
 
     /// The folder to write (created; must not be the model folder).
     #[arg(long)]
@@ -36,7 +36,7 @@ pub fn run(args: Args) -> Result<()> {
     let start = Instant::now();
     Config::from_file(&dir.join("config.json")).with_context(|| format!("reading {}", dir.display()))?;
     let mut model = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-    model.quantize(args.quant);
+    model.quantize(&crate::runtime::quant_policy(args.quant)?);
     let quantized = start.elapsed();
     let store = TensorStore::open_dir(&dir)?;
     ember_model::quantize::write_folder(&dir, &store, &model, &args.out)

@@ -3,7 +3,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{Model, Quant, Session, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{Model, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -27,12 +27,31 @@ pub struct RuntimeArgs {
     /// Quantize the weights at load: `int8` or `int4` (the embedding / LM
     /// head and the k, v, o and down projections stay at 8 bits with `int4`).
     #[arg(long, value_parser = parse_quant)]
-    pub quant: Option<Quant>,
+    pub quant: Option<WeightType>,
 }
 
-/// Parses `--quant`.
-pub fn parse_quant(s: &str) -> std::result::Result<Quant, String> {
-    Quant::from_name(s).ok_or_else(|| format!("unknown format `{s}` (expected int8 or int4)"))
+/// Parses `--quant`: a quantized weight type.
+pub fn parse_quant(s: &str) -> std::result::Result<WeightType, String> {
+    let names: Vec<&str> = WeightType::ALL.iter().filter(|t| t.is_quantized()).map(|t| t.name()).collect();
+    WeightType::from_name(s)
+        .filter(|t| t.is_quantized())
+        .ok_or_else(|| format!("unknown format `{s}` (expected {})", names.join(" or ")))
+}
+
+/// Which matrix gets which type for `--quant q`: the library's measured
+/// default, or, with `EMBER_INT4_KEEP` set (comma-separated roles: q, k, v,
+/// o, gate, up, down, vocab), those matrices kept at INT8 instead, for
+/// measuring other choices.
+pub fn quant_policy(q: WeightType) -> Result<QuantPolicy> {
+    let mut policy = QuantPolicy::new(q);
+    if let (Ok(list), WeightType::Int4) = (std::env::var("EMBER_INT4_KEEP"), q) {
+        policy.keep_int8 = list
+            .split(',')
+            .filter(|r| !r.trim().is_empty())
+            .map(|r| WeightRole::from_name(r).with_context(|| format!("EMBER_INT4_KEEP: unknown matrix `{r}`")))
+            .collect::<Result<_>>()?;
+    }
+    Ok(policy)
 }
 
 impl RuntimeArgs {
@@ -44,8 +63,9 @@ impl RuntimeArgs {
         }
         let threads = init_threads(self.threads)?;
         let dir = model_dir(self.model.clone())?;
-        let model = Model::load_quantized(&dir, self.quant)
-            .with_context(|| format!("loading the model in {}", dir.display()))?;
+        let policy = self.quant.map(quant_policy).transpose()?;
+        let model =
+            Model::load_quantized(&dir, policy).with_context(|| format!("loading the model in {}", dir.display()))?;
         Ok((model, dir, threads))
     }
 

@@ -36,9 +36,10 @@
 //! -p ember-benches -- matmul`), 512 tokens: 110–200 G multiply-adds/s for BF16
 //! weights and 67–110 G for F16, against 35–43 G for the AVX-512 f32 kernel.
 //!
-//! The tier is [`Isa::Amx`](crate::Isa::Amx); `EMBER_ISA=avx512` turns it off.
+//! The tier is [`Tier::Amx`](crate::cpu::Tier::Amx); `EMBER_ISA=avx512` turns it off.
 
-use crate::matvec::{MatRef, Weights};
+use crate::cpu::{Isa, Tier};
+use crate::formats::{MatRef, Weights};
 use crate::pool::SharedMut;
 use half::f16;
 use std::cell::RefCell;
@@ -59,37 +60,13 @@ const ROW_BLOCK: usize = 256;
 /// for F16's two terms).
 const COL_CHUNK: usize = 1024;
 
-/// Whether the CPU has AMX-BF16 and the OS lets this process use it (Linux
-/// grants the tile state on request, once per process).
-pub fn supported() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(detect)
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
-    use std::arch::x86_64::{__cpuid_count, _xgetbv};
-    let leaf7 = __cpuid_count(7, 0);
-    let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
-    let osxsave = __cpuid_count(1, 0).ecx & (1 << 27) != 0;
-    if !(amx_bf16 && amx_tile && osxsave) {
-        return false;
+/// Whether `isa` may run the AVX-512 kernels of this module (packing and
+/// splitting); every tier says so by name.
+fn avx512(isa: Isa) -> bool {
+    match isa.tier() {
+        Tier::Scalar | Tier::Avx2 => false,
+        Tier::Avx512 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
-    // SAFETY: OSXSAVE is set, so XGETBV is enabled.
-    let xcr0 = unsafe { _xgetbv(0) };
-    // XTILECFG (bit 17) and XTILEDATA (bit 18) must be OS-enabled.
-    if xcr0 & (0b11 << 17) != 0b11 << 17 {
-        return false;
-    }
-    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-    const XFEATURE_XTILEDATA: libc::c_long = 18;
-    // SAFETY: a plain system call with integer arguments.
-    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn detect() -> bool {
-    false
 }
 
 /// Whether products with `w` can run on AMX: BF16, F16, INT8 or INT4 weights
@@ -153,7 +130,7 @@ fn token_tiles(tokens: usize) -> usize {
 
 /// Packs token tiles `tiles` of `x (T, cols)` into `dst`, which holds exactly
 /// those tiles.
-fn pack_tiles(x: &[f32], cols: usize, tiles: std::ops::Range<usize>, dst: &mut [u16]) {
+fn pack_tiles(isa: Isa, x: &[f32], cols: usize, tiles: std::ops::Range<usize>, dst: &mut [u16]) {
     let t = x.len() / cols;
     let ksteps = cols / KSTEP;
     let per_tile = ksteps * ACT_TERMS * TILE_ELEMS;
@@ -166,8 +143,8 @@ fn pack_tiles(x: &[f32], cols: usize, tiles: std::ops::Range<usize>, dst: &mut [
         let first = (tile * TILE).min(t);
         let rows = &x[first * cols..(first + valid) * cols];
         #[cfg(target_arch = "x86_64")]
-        if crate::isa::Isa::Avx512.is_supported() {
-            // SAFETY: AVX-512F is present.
+        if avx512(isa) {
+            // SAFETY: AVX-512F is present (`isa` is the proof).
             unsafe { avx512::pack_tile(rows, cols, dst) };
             continue;
         }
@@ -191,7 +168,13 @@ fn pack_tile_scalar(rows: &[f32], cols: usize, dst: &mut [u16]) {
 
 /// Packs `x (T, cols)` into `buf` with the pool's threads (or on the calling
 /// thread without a pool) and returns the packed view.
-pub fn pack<'b>(pool: Option<&crate::ThreadPool>, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> Packed<'b> {
+pub fn pack<'b>(
+    isa: Isa,
+    pool: Option<&crate::ThreadPool>,
+    x: &[f32],
+    cols: usize,
+    buf: &'b mut Vec<u16>,
+) -> Packed<'b> {
     let t = x.len() / cols;
     assert!(cols.is_multiple_of(KSTEP) && x.len() == t * cols);
     let tiles = token_tiles(t);
@@ -202,7 +185,7 @@ pub fn pack<'b>(pool: Option<&crate::ThreadPool>, x: &[f32], cols: usize, buf: &
         let work = |th, n| {
             let (a, b) = crate::pool::share(tiles, th, n, 1);
             // SAFETY: threads take disjoint tile ranges.
-            pack_tiles(x, cols, a..b, unsafe { out.range(a * per_tile, b * per_tile) });
+            pack_tiles(isa, x, cols, a..b, unsafe { out.range(a * per_tile, b * per_tile) });
         };
         match pool {
             Some(pool) => pool.run(work),
@@ -235,7 +218,8 @@ impl Tiles {
             cfg.colsb[i] = (KSTEP * 2) as u16;
             cfg.rows[i] = TILE as u8;
         }
-        // SAFETY: only reached when `supported()` granted the tile state.
+        // SAFETY: only reached on the AMX tier, whose detection asked the OS
+        // for the tile state.
         #[cfg(target_arch = "x86_64")]
         unsafe {
             std::arch::asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly))
@@ -276,8 +260,14 @@ const C_BLOCK: usize = 4 * TILE * TILE;
 /// L2 while every token pair passes (each B chunk then serves 8 row pairs
 /// from L1/L2); the accumulators of the row block live in a scratch between
 /// column chunks, so neither operand's whole rows need to fit in cache.
-pub(crate) fn matmul_rows(w: MatRef, rows: std::ops::Range<usize>, x: &Packed, out: &OutRef) {
-    assert!(handles(&w) && x.cols == w.cols && rows.len().is_multiple_of(2 * TILE) && rows.end <= w.rows);
+pub(crate) fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &Packed, out: &OutRef) {
+    assert!(
+        isa.tier() == Tier::Amx
+            && handles(&w)
+            && x.cols == w.cols
+            && rows.len().is_multiple_of(2 * TILE)
+            && rows.end <= w.rows
+    );
     let cols = w.cols;
     let pairs = token_tiles(x.tokens) / 2;
     let _tiles = Tiles::configure();
@@ -301,23 +291,25 @@ pub(crate) fn matmul_rows(w: MatRef, rows: std::ops::Range<usize>, x: &Packed, o
                         let (hi, lo) = split.split_at_mut(ROW_BLOCK * COL_CHUNK);
                         for r in r0..r1 {
                             let o = (r - r0) * kc;
-                            split_f16(&v[r * cols + k0..r * cols + k1], &mut hi[o..o + kc], &mut lo[o..o + kc]);
+                            split_f16(isa, &v[r * cols + k0..r * cols + k1], &mut hi[o..o + kc], &mut lo[o..o + kc]);
                         }
                         ([hi.as_ptr(), lo.as_ptr()], 2, kc * 2)
                     }
-                    Weights::Q8(_) | Weights::Q4(_) => {
+                    Weights::F32(_) => unreachable!("handles() rejects F32"),
+                    // Any other type: widened by its row's kernel, a block
+                    // of columns at a time, and split into two BF16 terms.
+                    _ => {
                         let kc = k1 - k0;
                         split.resize(2 * ROW_BLOCK * COL_CHUNK, 0);
                         let (hi, lo) = split.split_at_mut(ROW_BLOCK * COL_CHUNK);
                         let mut row = [0.0f32; COL_CHUNK];
                         for r in r0..r1 {
                             let o = (r - r0) * kc;
-                            w.rows(r, r + 1).row_to_f32_range(k0..k1, &mut row[..kc]);
-                            split_f32(&row[..kc], &mut hi[o..o + kc], &mut lo[o..o + kc]);
+                            w.rows(r, r + 1).row_to_f32_range_with(isa, k0..k1, &mut row[..kc]);
+                            split_f32(isa, &row[..kc], &mut hi[o..o + kc], &mut lo[o..o + kc]);
                         }
                         ([hi.as_ptr(), lo.as_ptr()], 2, kc * 2)
                     }
-                    Weights::F32(_) => unreachable!("handles() rejects F32"),
                 };
                 for tp in 0..pairs {
                     let b = x.data[2 * tp * x.tile_stride() + k0 / KSTEP * ACT_TERMS * TILE_ELEMS..].as_ptr();
@@ -374,20 +366,20 @@ fn scatter(c: &[f32], r0: usize, t0: usize, tokens: usize, out: &OutRef) {
 }
 
 /// F16 weights as BF16 `hi + lo`, exactly.
-fn split_f16(src: &[f16], hi: &mut [u16], lo: &mut [u16]) {
+fn split_f16(isa: Isa, src: &[f16], hi: &mut [u16], lo: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::Avx512.is_supported() {
-        // SAFETY: AVX-512F is present.
+    if avx512(isa) {
+        // SAFETY: AVX-512F is present (`isa` is the proof).
         return unsafe { avx512::split_f16(src, hi, lo) };
     }
     split_f16_scalar(src, hi, lo)
 }
 
 /// f32 as BF16 `hi + lo`, each rounded to nearest: 16 significant bits.
-fn split_f32(src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+fn split_f32(isa: Isa, src: &[f32], hi: &mut [u16], lo: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::Avx512.is_supported() {
-        // SAFETY: AVX-512F is present.
+    if avx512(isa) {
+        // SAFETY: AVX-512F is present (`isa` is the proof).
         return unsafe { avx512::split_f32(src, hi, lo) };
     }
     split_f32_scalar(src, hi, lo)
@@ -682,11 +674,11 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn simd_packing_equals_the_reference() {
-        if !crate::isa::Isa::Avx512.is_supported() {
+        if Isa::get(Tier::Avx512).is_none() {
             return;
         }
         let cols = 96;
-        let x = crate::dot::tests::synth(16 * cols, 5);
+        let x = crate::testutil::synth(16 * cols, 5);
         for valid in [0, 1, 7, 16] {
             let per_tile = cols / KSTEP * ACT_TERMS * TILE_ELEMS;
             let (mut want, mut got) = (vec![0u16; per_tile], vec![7u16; per_tile]);
@@ -699,11 +691,13 @@ mod tests {
     #[test]
     fn f16_splits_exactly() {
         let src: Vec<f16> = (0..1000).map(|i| f16::from_f32(((i as f32) * 0.37).cos() * 3.0)).collect();
-        let (mut hi, mut lo) = (vec![0; 1000], vec![0; 1000]);
-        split_f16(&src, &mut hi, &mut lo);
         let (mut hs, mut ls) = (vec![0; 1000], vec![0; 1000]);
         split_f16_scalar(&src, &mut hs, &mut ls);
-        assert_eq!((&hi, &lo), (&hs, &ls));
+        let (mut hi, mut lo) = (vec![0; 1000], vec![0; 1000]);
+        for isa in Isa::supported() {
+            split_f16(isa, &src, &mut hi, &mut lo);
+            assert_eq!((&hi, &lo), (&hs, &ls), "{isa:?}");
+        }
         for i in 0..1000 {
             assert_eq!(bf16_value(hi[i]) + bf16_value(lo[i]), src[i].to_f32());
         }

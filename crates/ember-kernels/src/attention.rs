@@ -1,11 +1,24 @@
-//! Scaled dot-product attention of one query token against a KV cache.
+//! Scaled dot-product attention over KV caches.
 //!
 //! Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
 //! heads, query head `h` reading KV head `h / (n_heads / n_kv_heads)`.
+//!
+//! [`attention`] takes a batch of query rows, each tagged with its sequence
+//! and the number of cached positions it sees (its own position + 1), so one
+//! call serves a prompt block of one sequence (causal: row i sees one more
+//! key than row i − 1), one decoded token of each of several sequences, or a
+//! mix. Consecutive rows of one sequence whose visible lengths grow by one
+//! form a *run*: a run of many rows is done as matrix products per KV head
+//! and block of queries (each key is then read for many queries), a run of one
+//! row as dot products per head.
 
+use crate::cpu::Isa;
 use crate::dot::{axpy, dot_f32};
-use crate::isa::Isa;
+use crate::formats::{MatRef, Weights};
+use crate::matmul::matmul_with;
 use crate::ops::softmax;
+use crate::pool::{self, SharedMut, ThreadPool};
+use std::cell::RefCell;
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -80,10 +93,212 @@ pub fn attend_heads(
     }
 }
 
+/// Below this many cached positions a single query's attention stays on one
+/// thread: it is a few microseconds, less than a wake-up of the pool.
+const PARALLEL_MIN_LEN: usize = 128;
+
+/// Queries per work item of a run's block attention.
+const QUERY_BLOCK: usize = 32;
+
+/// Attention for a batch of query rows.
+///
+/// Row `i` belongs to sequence `seqs[i]` and sees that sequence's cached
+/// positions `0..visible[i]` (its own key and value already stored);
+/// `kv(seq)` gives a sequence's keys and values `(≥ visible, kv_dim)` for the
+/// layer at hand. `q`, `out (T, n_heads * head_dim)`.
+///
+/// Work is spread over `pool`: a single row splits its heads across threads
+/// once the context is long enough to pay for it; otherwise items (a run's
+/// KV head × block of queries, or a lone row) are dealt out to threads in turn.
+#[allow(clippy::too_many_arguments)]
+pub fn attention<'c>(
+    pool: &ThreadPool,
+    isa: Isa,
+    shape: AttnShape,
+    q: &[f32],
+    seqs: &[usize],
+    visible: &[usize],
+    kv: &(dyn Fn(usize) -> (&'c [f32], &'c [f32]) + Sync),
+    out: &mut [f32],
+) {
+    let width = shape.n_heads * shape.head_dim;
+    let t = seqs.len();
+    assert_eq!(visible.len(), t, "one visible length per row");
+    assert_eq!(q.len(), t * width, "q is (T, heads * head_dim)");
+    assert_eq!(out.len(), t * width, "out is (T, heads * head_dim)");
+    assert!(visible.iter().all(|&v| v > 0), "every row sees at least its own position");
+    if t == 1 {
+        let len = visible[0];
+        let (keys, values) = kv(seqs[0]);
+        let kv_len = len * shape.kv_dim();
+        return single(pool, isa, shape, q, &keys[..kv_len], &values[..kv_len], out);
+    }
+    let out = SharedMut::new(out);
+    pool.run(|th, n| {
+        let mut item = 0;
+        for run in runs(seqs, visible) {
+            let (keys, values) = kv(seqs[run.start]);
+            if run.len() == 1 {
+                if item % n == th {
+                    let i = run.start;
+                    let kv_len = visible[i] * shape.kv_dim();
+                    // SAFETY: each row belongs to exactly one item.
+                    let o = unsafe { out.range(i * width, (i + 1) * width) };
+                    SCRATCH.with(|sc| {
+                        let sc = &mut *sc.borrow_mut();
+                        sc.s.resize(visible[i], 0.0);
+                        let q = &q[i * width..(i + 1) * width];
+                        attend(isa, shape, q, &keys[..kv_len], &values[..kv_len], &mut sc.s, o);
+                    });
+                }
+                item += 1;
+                continue;
+            }
+            let blocks = run.len().div_ceil(QUERY_BLOCK);
+            for b in 0..shape.n_kv_heads * blocks {
+                if item % n == th {
+                    // Later blocks see more keys: consecutive items go to
+                    // different threads.
+                    let (kvh, blk) = (b % shape.n_kv_heads, b / shape.n_kv_heads);
+                    let rows = run.start + blk * QUERY_BLOCK..(run.start + (blk + 1) * QUERY_BLOCK).min(run.end);
+                    block(isa, shape, kvh, q, rows, visible, keys, values, &out);
+                }
+                item += 1;
+            }
+        }
+    });
+}
+
+/// Maximal runs of rows `i..j` of one sequence with `visible` growing by one.
+fn runs<'a>(seqs: &'a [usize], visible: &'a [usize]) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= seqs.len() {
+            return None;
+        }
+        let mut end = start + 1;
+        while end < seqs.len() && seqs[end] == seqs[start] && visible[end] == visible[end - 1] + 1 {
+            end += 1;
+        }
+        let run = start..end;
+        start = end;
+        Some(run)
+    })
+}
+
+/// One query row over `keys`, `values (len, kv_dim)`, heads split across the
+/// pool when the context is long enough.
+fn single(pool: &ThreadPool, isa: Isa, shape: AttnShape, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+    let len = keys.len() / shape.kv_dim();
+    let threads = if len < PARALLEL_MIN_LEN { 1 } else { pool.threads().min(shape.n_heads) };
+    let hd = shape.head_dim;
+    let out = SharedMut::new(out);
+    let work = |t: usize, n: usize| {
+        let (a, b) = pool::share(shape.n_heads, t, n, 1);
+        if a < b {
+            // SAFETY: threads take disjoint head ranges of `out`.
+            let o = unsafe { out.range(a * hd, b * hd) };
+            SCRATCH.with(|sc| {
+                let sc = &mut *sc.borrow_mut();
+                sc.s.resize(len, 0.0);
+                attend_heads(isa, shape, a..b, q, keys, values, &mut sc.s, o);
+            });
+        }
+    };
+    match threads {
+        1 => work(0, 1),
+        _ => pool.run(work),
+    }
+}
+
+thread_local! {
+    /// Each thread's attention scratch, reused across calls.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Buffers of one work item.
+#[derive(Default)]
+struct Scratch {
+    /// Queries of the group's heads `(n, head_dim)`, row `(i - i0) * group + g`.
+    q: Vec<f32>,
+    /// The KV head's keys `(len, head_dim)`, contiguous.
+    k: Vec<f32>,
+    /// The KV head's values transposed `(head_dim, len)`.
+    vt: Vec<f32>,
+    /// Scores, then probabilities `(n, len)`.
+    s: Vec<f32>,
+    /// Outputs `(n, head_dim)`.
+    o: Vec<f32>,
+}
+
+/// Attention of query rows `rows` (one run, so row `i` sees one more key than
+/// row `i - 1`) for the query heads of KV head `kvh`, as matrix products:
+/// the group's query rows form one matrix, `S = Q Kᵀ` and `O = softmax(S) V`
+/// go through the tiled `matmul` (keys and values gathered contiguous first).
+#[allow(clippy::too_many_arguments)]
+fn block(
+    isa: Isa,
+    shape: AttnShape,
+    kvh: usize,
+    q: &[f32],
+    rows: std::ops::Range<usize>,
+    visible: &[usize],
+    keys: &[f32],
+    values: &[f32],
+    out: &SharedMut<f32>,
+) {
+    let hd = shape.head_dim;
+    let width = shape.n_heads * hd;
+    let kv_dim = shape.kv_dim();
+    let group = shape.n_heads / shape.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (i0, i1) = (rows.start, rows.end);
+    let len = visible[i1 - 1]; // keys the last query of the block sees
+    let n = (i1 - i0) * group;
+    SCRATCH.with(|scratch| {
+        let sc = &mut *scratch.borrow_mut();
+        sc.q.clear();
+        for i in i0..i1 {
+            for g in 0..group {
+                let h = kvh * group + g;
+                sc.q.extend_from_slice(&q[i * width + h * hd..i * width + (h + 1) * hd]);
+            }
+        }
+        sc.k.clear();
+        for p in 0..len {
+            sc.k.extend_from_slice(&keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]);
+        }
+        sc.vt.resize(hd * len, 0.0);
+        for p in 0..len {
+            for d in 0..hd {
+                sc.vt[d * len + p] = values[p * kv_dim + kvh * hd + d];
+            }
+        }
+        sc.s.resize(n * len, 0.0);
+        // S (n, len) = Q (n, hd) @ K (len, hd)ᵀ
+        matmul_with(isa, MatRef::new(Weights::F32(&sc.k), len, hd), &sc.q, &mut sc.s);
+        for (r, srow) in sc.s.chunks_exact_mut(len).enumerate() {
+            let (seen, masked) = srow.split_at_mut(visible[i0 + r / group]);
+            seen.iter_mut().for_each(|v| *v *= scale);
+            softmax(seen);
+            masked.fill(0.0);
+        }
+        sc.o.resize(n * hd, 0.0);
+        // O (n, hd) = P (n, len) @ Vᵀ (hd, len)ᵀ
+        matmul_with(isa, MatRef::new(Weights::F32(&sc.vt), hd, len), &sc.s, &mut sc.o);
+        for (r, orow) in sc.o.chunks_exact(hd).enumerate() {
+            let (i, g) = (i0 + r / group, r % group);
+            let o = i * width + (kvh * group + g) * hd;
+            // SAFETY: each (query, head) slot belongs to exactly one item.
+            unsafe { out.range(o, o + hd) }.copy_from_slice(orow);
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::tests::synth;
+    use crate::testutil::synth;
 
     /// Textbook attention in f64, one head at a time.
     fn reference(shape: AttnShape, q: &[f32], k: &[f32], v: &[f32], len: usize) -> Vec<f32> {
@@ -130,5 +345,45 @@ mod tests {
                 assert_eq!(split, out);
             }
         }
+    }
+
+    /// A batch mixing a prompt block of one sequence and single tokens of
+    /// others gives each row what the textbook gives it alone.
+    #[test]
+    fn batch_rows_each_see_their_own_sequence() {
+        let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+        let (kvd, width) = (shape.kv_dim(), 4 * 8);
+        let caches: Vec<(Vec<f32>, Vec<f32>)> =
+            (0..3).map(|s| (synth(80 * kvd, 10 + s as u64), synth(80 * kvd, 20 + s as u64))).collect();
+        // Sequence 0: a block of 40 rows at positions 5..45; sequence 1: one
+        // row at position 70; sequence 2: one row at position 0; then 0 again.
+        let mut seqs = vec![0; 40];
+        let mut visible: Vec<usize> = (6..46).collect();
+        seqs.extend([1, 2, 0]);
+        visible.extend([71, 1, 3]);
+        let t = seqs.len();
+        let q = synth(t * width, 99);
+        let kv = |s: usize| (&caches[s].0[..], &caches[s].1[..]);
+        for isa in Isa::supported() {
+            for threads in [1, 3] {
+                let mut out = vec![f32::NAN; t * width];
+                attention(&ThreadPool::new(threads), isa, shape, &q, &seqs, &visible, &kv, &mut out);
+                for i in 0..t {
+                    let (k, v) = kv(seqs[i]);
+                    let len = visible[i];
+                    let want = reference(shape, &q[i * width..(i + 1) * width], &k[..len * kvd], &v[..len * kvd], len);
+                    for (a, b) in out[i * width..(i + 1) * width].iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-5, "{isa:?} row {i}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+        // One row alone takes the single-query path, with the same numbers.
+        let mut one = vec![0.0; width];
+        let last = t - 1;
+        attention(&ThreadPool::new(2), Isa::active(), shape, &q[last * width..], &[0], &[3], &kv, &mut one);
+        let mut all = vec![0.0; t * width];
+        attention(&ThreadPool::new(2), Isa::active(), shape, &q, &seqs, &visible, &kv, &mut all);
+        assert_eq!(&all[last * width..], &one[..]);
     }
 }

@@ -1,7 +1,7 @@
 //! A memory-read probe: the fastest way to touch every byte of some buffers,
 //! to measure the bandwidth ceiling that mat-vec over the same bytes faces.
 
-use crate::isa::Isa;
+use crate::cpu::{Isa, Tier};
 use crate::pool::{self, ThreadPool};
 
 /// Sums every 8-byte word of `slices` (wrapping), the buffers' bytes split
@@ -45,11 +45,13 @@ fn sum_words(b: &[u8]) -> u64 {
 
 /// `sum_words` with the given tier.
 pub fn sum_words_with(isa: Isa, b: &[u8]) -> u64 {
-    match isa {
+    match isa.tier() {
+        Tier::Scalar => sum_words(b),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 is only chosen on CPUs that have it.
-        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { sum_words_avx2(b) },
-        _ => sum_words(b),
+        // SAFETY: the tier's features are present (`isa` is the proof).
+        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unsafe { sum_words_avx2(b) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
     }
 }
 

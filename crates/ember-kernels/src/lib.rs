@@ -7,17 +7,24 @@
 //! calls these functions; this crate only knows how to multiply, normalise and
 //! rotate numbers quickly and correctly.
 //!
+//! Two tables organise it:
+//! - [`formats`]: one row per weight type (block, paired activation format,
+//!   reference and per-tier kernels); the rest of the crate is generic over
+//!   the row.
+//! - [`cpu`]: the CPU features, detected once, and the kernel tier they allow;
+//!   every per-tier choice matches on [`cpu::Tier`] by name.
+//!
 //! | module | what |
 //! |---|---|
-//! | [`isa`] | which instruction-set tier runs (detected once, `EMBER_ISA` overrides) |
-//! | [`dot`] | dot products of f32 activations with F32, BF16 and F16 weights |
-//! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight dtype, threaded by rows; fused q/k/v and gate/up forms |
-//! | [`amx`] | AMX tiles for prefill over BF16/F16 weights, activations split into BF16 terms for f32-class accuracy |
-//! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for prefill: packed panels and a register-tiled micro-kernel |
-//! | [`quant`] | INT8/INT4 block formats, quantizers, integer dot products on int8 activations |
-//! | [`pool`] | the persistent thread pool of the token loop |
+//! | [`cpu`] | CPU features and tiers (detected once, `EMBER_ISA` masks them) |
+//! | [`formats`] | the weight-format table: F32, BF16, F16, INT8, INT4; [`MatRef`] |
+//! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight type, threaded by rows; fused q/k/v and gate/up forms |
+//! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for blocks of tokens: packed panels and a register-tiled micro-kernel |
+//! | [`amx`] | AMX tiles for those products, activations split into BF16 terms for f32-class accuracy |
+//! | [`attention`] | attention of a batch of query rows, each over its own sequence's cached keys and values |
+//! | [`dot`] | f32 vector kernels of attention (`q · k`, `o += p · v`) |
+//! | [`pool`] | the persistent thread pool, and [`pool::SharedMut`] for disjoint parallel writes |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
-//! | [`attention`] | one query against a KV cache, grouped-query aware |
 //! | [`bandwidth`] | a memory-read probe: the ceiling mat-vec is measured against |
 //!
 //! Every SIMD kernel has a portable scalar twin with the same signature; tests
@@ -26,17 +33,18 @@
 pub mod amx;
 pub mod attention;
 pub mod bandwidth;
+pub mod cpu;
 pub mod dot;
-pub mod isa;
+pub mod formats;
 pub mod matmul;
 pub mod matvec;
 pub mod ops;
 pub mod pool;
-pub mod quant;
+#[cfg(test)]
+pub(crate) mod testutil;
 
-pub use half::{bf16, f16};
-pub use isa::Isa;
+pub use cpu::{Isa, Tier};
+pub use formats::{bf16, f16, Format, MatRef, WeightType, Weights};
 pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls};
-pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs, MatRef, Weights};
+pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs};
 pub use pool::ThreadPool;
-pub use quant::{BlockQ4, BlockQ8, Format, Quant};

@@ -10,11 +10,11 @@
 //! [`TOKEN_BLOCK`] so the activations a panel meets stay in L2.
 
 use crate::amx;
+use crate::cpu::{Isa, Tier};
 use crate::dot::dot_f32_scalar;
-use crate::isa::Isa;
-use crate::matvec::MatRef;
+use crate::formats::MatRef;
 #[cfg(test)]
-use crate::matvec::Weights;
+use crate::formats::Weights;
 use crate::pool::{self, SharedMut, ThreadPool};
 use std::cell::RefCell;
 
@@ -33,9 +33,31 @@ const ALIGN: usize = 32;
 /// registers accumulate), 8 × 3 for AVX-512 (24 of 32). Taller rather than
 /// wider: each activation row read from L2 then serves more weight rows.
 fn shape_for(isa: Isa) -> (usize, usize) {
-    match isa {
-        Isa::Avx512 | Isa::Amx => (8, 3),
-        _ => (4, 3),
+    match isa.tier() {
+        Tier::Scalar | Tier::Avx2 => (4, 3),
+        Tier::Avx512 | Tier::Amx => (8, 3),
+    }
+}
+
+/// A register-tiled micro-kernel: `acc[i][j] = panel[i] · xs[j]` for a fixed
+/// (rows, 3 tokens) tile. Requires its tier's features.
+type TileKernel = unsafe fn(&[f32], &[f32], usize, &mut [[f32; NR]; MR]);
+
+/// The micro-kernel a tier runs for a panel of `mr` rows and 3 tokens, if it
+/// has one of that height (partial panels at a share's end may be shorter).
+fn tile_kernel(isa: Isa, mr: usize) -> Option<TileKernel> {
+    match isa.tier() {
+        Tier::Scalar => None,
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => (mr == 4).then_some(avx2::tile_4x3 as TileKernel),
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 | Tier::Amx => match mr {
+            8 => Some(avx512::tile_8x3 as TileKernel),
+            4 => Some(avx2::tile_4x3 as TileKernel),
+            _ => None,
+        },
+        #[cfg(not(target_arch = "x86_64"))]
+        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
     }
 }
 
@@ -114,13 +136,12 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
 
 /// `acc[i][j] = panel[i] · xs[j]` for `i < mr`, `j < nr`.
 fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, acc: &mut [[f32; NR]; MR]) {
-    #[cfg(target_arch = "x86_64")]
-    if nr == 3 {
-        // SAFETY: tiers are only chosen on CPUs that have them.
-        match (isa, mr) {
-            (Isa::Avx512 | Isa::Amx, 8) => return unsafe { avx512::tile_8x3(panel, xs, cols, acc) },
-            (Isa::Avx2 | Isa::Avx512 | Isa::Amx, 4) => return unsafe { avx2::tile_4x3(panel, xs, cols, acc) },
-            _ => {}
+    if nr == NR {
+        if let Some(kernel) = tile_kernel(isa, mr) {
+            debug_assert!(panel.len() >= mr * cols && xs.len() >= NR * cols);
+            // SAFETY: `isa` proves the CPU has the kernel's features; the
+            // panel holds `mr` rows and xs `NR` tokens of `cols` columns.
+            return unsafe { kernel(panel, xs, cols, acc) };
         }
     }
     for i in 0..mr {
@@ -146,10 +167,10 @@ fn with_packed<R>(
     weights: &[MatRef],
     f: impl FnOnce(Option<&amx::Packed>) -> R,
 ) -> R {
-    if isa == Isa::Amx && weights.iter().any(amx::handles) {
+    if isa.tier() == Tier::Amx && weights.iter().any(amx::handles) {
         PACKED.with(|buf| {
             let mut buf = buf.borrow_mut();
-            let packed = amx::pack(pool, x, cols, &mut buf);
+            let packed = amx::pack(isa, pool, x, cols, &mut buf);
             f(Some(&packed))
         })
     } else {
@@ -164,7 +185,7 @@ fn product_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], pa
     if let Some(packed) = packed.filter(|_| amx::handles(&w)) {
         let end = rows.start + rows.len() / 32 * 32;
         if end > rows.start {
-            amx::matmul_rows(w, rows.start..end, packed, &amx::OutRef { data: &out.data, stride: out.stride });
+            amx::matmul_rows(isa, w, rows.start..end, packed, &amx::OutRef { data: &out.data, stride: out.stride });
         }
         if end < rows.end {
             matmul_rows(isa, w, end..rows.end, x, out);
@@ -252,7 +273,7 @@ pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{MR, NR};
-    use crate::dot::avx2::hsum;
+    use crate::formats::float::avx2::hsum;
     use std::arch::x86_64::*;
 
     /// The 4 × 3 micro-kernel: twelve 8-lane accumulators over the columns.
@@ -326,9 +347,9 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::tests::synth;
-    use crate::quant::{quantize_q4_row, quantize_q8_row, BlockQ4, BlockQ8, QK};
-    use half::{bf16, f16};
+    use crate::formats::{bf16, f16, BlockQ4, BlockQ8, Format, Int4, Int8};
+    use crate::testutil::synth;
+    const QK: usize = 32;
 
     #[test]
     fn every_tier_and_dtype_matches_the_reference() {
@@ -345,9 +366,9 @@ mod tests {
             // Quantized weights where rows are whole blocks.
             let (mut q8, mut q4) = (vec![BlockQ8::ZERO; w.len() / QK], vec![BlockQ4::ZERO; w.len() / QK]);
             if cols % QK == 0 {
-                quantize_q8_row(&w, &mut q8);
-                quantize_q4_row(&w, &mut q4);
-                all.extend([Weights::Q8(&q8), Weights::Q4(&q4)]);
+                Int8::quantize_row(&w, &mut q8);
+                Int4::quantize_row(&w, &mut q4);
+                all.extend([Weights::Int8(&q8), Weights::Int4(&q4)]);
             }
             for weights in all {
                 let m = MatRef::new(weights, rows, cols);
@@ -400,7 +421,7 @@ mod tests {
         let mut a = vec![0.0; rows];
         let mut b = vec![0.0; rows];
         matmul_scalar(m, &x, &mut a);
-        crate::matvec::matvec_with(Isa::Scalar, m, &x, &mut b);
+        crate::matvec::matvec_with(Isa::scalar(), m, &x, &mut b);
         assert_eq!(a, b);
     }
 

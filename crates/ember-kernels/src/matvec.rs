@@ -5,215 +5,73 @@
 //! whole engine is the speed of this loop. Rows are split into one coarse,
 //! contiguous share per thread of a [`ThreadPool`].
 
-use crate::dot;
-use crate::isa::Isa;
+use crate::cpu::Isa;
+use crate::formats::{quantize_activations, with_weights, ActType, Activation, Acts, BlockA8, Format, MatRef, QK_A8};
 use crate::ops::silu_mul;
 use crate::pool::{self, SharedMut, ThreadPool};
-use crate::quant::{self, BlockA8, BlockQ4, BlockQ8, Format, QK};
-use half::{bf16, f16};
 use std::cell::RefCell;
 
-/// Row-major weights in their stored precision.
-#[derive(Clone, Copy, Debug)]
-pub enum Weights<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
-    /// INT8 blocks of 32 along each row ([`crate::quant`]).
-    Q8(&'a [BlockQ8]),
-    /// INT4 blocks of 32 along each row.
-    Q4(&'a [BlockQ4]),
-}
-
-impl Weights<'_> {
-    /// Number of weights.
-    pub fn len(&self) -> usize {
-        match self {
-            Weights::F32(w) => w.len(),
-            Weights::Bf16(w) => w.len(),
-            Weights::F16(w) => w.len(),
-            Weights::Q8(w) => w.len() * QK,
-            Weights::Q4(w) => w.len() * QK,
-        }
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes of storage.
-    pub fn bytes(&self) -> usize {
-        match self {
-            Weights::F32(w) => std::mem::size_of_val(*w),
-            Weights::Bf16(w) => std::mem::size_of_val(*w),
-            Weights::F16(w) => std::mem::size_of_val(*w),
-            Weights::Q8(w) => std::mem::size_of_val(*w),
-            Weights::Q4(w) => std::mem::size_of_val(*w),
-        }
-    }
-
-    /// Whether the mat-vec runs on int8-quantized activations.
-    pub fn is_quantized(&self) -> bool {
-        matches!(self, Weights::Q8(_) | Weights::Q4(_))
-    }
-}
-
-/// A borrowed matrix `(rows, cols)`, row-major.
-#[derive(Clone, Copy, Debug)]
-pub struct MatRef<'a> {
-    pub weights: Weights<'a>,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl<'a> MatRef<'a> {
-    /// Wraps `weights` as a `(rows, cols)` matrix. Panics if the sizes disagree:
-    /// that is a bug in the caller, which validated shapes at load time.
-    pub fn new(weights: Weights<'a>, rows: usize, cols: usize) -> Self {
-        assert_eq!(weights.len(), rows * cols, "matrix data does not hold {rows}x{cols}");
-        if weights.is_quantized() {
-            assert!(cols.is_multiple_of(QK), "quantized rows are whole blocks of {QK}");
-        }
-        MatRef { weights, rows, cols }
-    }
-
-    /// Rows `start..end` as a matrix of their own.
-    pub fn rows(&self, start: usize, end: usize) -> MatRef<'a> {
-        let (a, b) = (start * self.cols, end * self.cols);
-        let weights = match self.weights {
-            Weights::F32(w) => Weights::F32(&w[a..b]),
-            Weights::Bf16(w) => Weights::Bf16(&w[a..b]),
-            Weights::F16(w) => Weights::F16(&w[a..b]),
-            Weights::Q8(w) => Weights::Q8(&w[a / QK..b / QK]),
-            Weights::Q4(w) => Weights::Q4(&w[a / QK..b / QK]),
-        };
-        MatRef { weights, rows: end - start, cols: self.cols }
-    }
-
-    /// Row `r` widened to f32 into `out (cols,)`: an embedding lookup.
-    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        self.row_to_f32_with(Isa::active(), r, out)
-    }
-
-    /// [`MatRef::row_to_f32`] with the given tier (prefill widens every
-    /// weight once per token block, so this runs at memory speed).
-    pub fn row_to_f32_with(&self, isa: Isa, r: usize, out: &mut [f32]) {
-        assert_eq!(out.len(), self.cols);
-        let s = r * self.cols..(r + 1) * self.cols;
-        match self.weights {
-            Weights::F32(w) => out.copy_from_slice(&w[s]),
-            Weights::Bf16(w) => dot::widen_bf16(isa, &w[s], out),
-            Weights::F16(w) => dot::widen_f16(isa, &w[s], out),
-            Weights::Q8(_) | Weights::Q4(_) => self.rows(r, r + 1).row_to_f32_range_with(isa, 0..self.cols, out),
-        }
-    }
-
-    /// Columns `cols` of row 0 widened to f32 into `out`; for quantized
-    /// weights the range must be whole blocks.
-    pub fn row_to_f32_range(&self, cols: std::ops::Range<usize>, out: &mut [f32]) {
-        self.row_to_f32_range_with(Isa::active(), cols, out)
-    }
-
-    /// [`MatRef::row_to_f32_range`] with the given tier.
-    pub fn row_to_f32_range_with(&self, isa: Isa, cols: std::ops::Range<usize>, out: &mut [f32]) {
-        assert_eq!(out.len(), cols.len());
-        match self.weights {
-            Weights::F32(w) => out.copy_from_slice(&w[cols]),
-            Weights::Bf16(w) => dot::widen_bf16(isa, &w[cols], out),
-            Weights::F16(w) => dot::widen_f16(isa, &w[cols], out),
-            Weights::Q8(w) => quant::Int8::dequantize(isa, &w[cols.start / QK..cols.end / QK], out),
-            Weights::Q4(w) => quant::Int4::dequantize(isa, &w[cols.start / QK..cols.end / QK], out),
-        }
-    }
-
-    /// `W[r] · x` with the given tier. `x (cols,)`; for quantized weights,
-    /// `xq` is `x` quantized ([`quant::quantize_activations`]).
-    #[inline]
-    pub fn dot_row(&self, isa: Isa, r: usize, x: &[f32], xq: &[BlockA8]) -> f32 {
-        let s = r * self.cols..(r + 1) * self.cols;
-        let blocks = s.start / QK..s.end / QK;
-        match self.weights {
-            Weights::F32(w) => dot::dot_f32(isa, &w[s], x),
-            Weights::Bf16(w) => dot::dot_bf16(isa, &w[s], x),
-            Weights::F16(w) => dot::dot_f16(isa, &w[s], x),
-            Weights::Q8(w) => quant::Int8::dot(isa, &w[blocks], xq),
-            Weights::Q4(w) => quant::Int4::dot(isa, &w[blocks], xq),
-        }
-    }
-
-    /// Bytes of weights this matrix streams per mat-vec.
-    pub fn bytes(&self) -> usize {
-        self.weights.bytes()
-    }
-}
-
 thread_local! {
-    /// The caller's quantized activations, reused across calls.
+    /// The caller's int8 activations, reused across calls.
     static XQ: RefCell<Vec<BlockA8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with `x` quantized to int8 blocks if any of `weights` needs it
-/// (once per mat-vec, shared by all rows and threads), else with `&[]`.
-fn with_quantized<R>(x: &[f32], weights: &[&Weights], f: impl FnOnce(&[BlockA8]) -> R) -> R {
-    if weights.iter().any(|w| w.is_quantized()) {
-        assert!(x.len().is_multiple_of(QK), "quantized weights need whole blocks of {QK} inputs");
+/// Runs `f` with `x` in every activation format some matrix of `mats` reads:
+/// quantized once per mat-vec, shared by all rows and threads.
+fn with_acts<R>(isa: Isa, x: &[f32], mats: &[MatRef], f: impl FnOnce(&Acts) -> R) -> R {
+    if mats.iter().any(|m| m.weights.ty().act() == ActType::A8) {
+        assert!(x.len().is_multiple_of(QK_A8), "int8 activations are whole blocks of {QK_A8}");
         XQ.with(|buf| {
             let mut buf = buf.borrow_mut();
-            buf.resize(x.len() / QK, BlockA8::ZERO);
-            quant::quantize_activations(x, &mut buf);
-            f(&buf)
+            buf.resize(x.len() / QK_A8, BlockA8::ZERO);
+            quantize_activations(isa, x, &mut buf);
+            f(&Acts { f32: x, a8: &buf })
         })
     } else {
-        f(&[])
+        f(&Acts { f32: x, a8: &[] })
     }
 }
 
 /// `y = W @ x` on the calling thread with the given tier.
 /// `w (rows, cols)`, `x (cols,)`, `y (rows,)`.
 pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
-    with_quantized(x, &[&w.weights], |xq| matvec_rows(isa, w, x, xq, y))
+    with_acts(isa, x, &[w], |acts| matvec_rows(isa, w, acts, y))
 }
 
-/// [`matvec_with`] with `x` already quantized when W is (`xq`).
-fn matvec_rows(isa: Isa, w: MatRef, x: &[f32], xq: &[BlockA8], y: &mut [f32]) {
-    assert_eq!(x.len(), w.cols, "x length");
+/// [`matvec_with`] with the activations prepared.
+fn matvec_rows(isa: Isa, w: MatRef, acts: &Acts, y: &mut [f32]) {
+    assert_eq!(acts.f32.len(), w.cols, "x length");
     assert_eq!(y.len(), w.rows, "y length");
-    let mut r = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
-        // Rows j, j+q, j+2q, j+3q together: x is loaded once for four rows,
-        // and the four quarters of the matrix stream from memory at once,
-        // which was measured to use the memory bus better than four adjacent
-        // rows (one stream).
-        let (q, c) = (w.rows / 4, w.cols);
-        for j in 0..q {
-            let idx = [j, j + q, j + 2 * q, j + 3 * q];
-            // SAFETY: Avx2 is only chosen on CPUs that have it.
-            let out = unsafe {
-                match w.weights {
-                    Weights::F32(m) => dot::avx2::rows4_f32(quad(m, c, idx), x),
-                    Weights::Bf16(m) => dot::avx2::rows4_bf16(quad(m, c, idx), x),
-                    Weights::F16(m) => dot::avx2::rows4_f16(quad(m, c, idx), x),
-                    Weights::Q8(m) => quant::avx2::rows4_q8(quad(m, c / QK, idx), xq),
-                    Weights::Q4(m) => quant::avx2::rows4_q4(quad(m, c / QK, idx), xq),
-                }
-            };
-            for (i, v) in idx.into_iter().zip(out) {
-                y[i] = v;
-            }
-        }
-        r = 4 * q;
-    }
-    for (i, out) in y.iter_mut().enumerate().skip(r) {
-        *out = w.dot_row(isa, i, x, xq);
-    }
+    with_weights!(w.weights, |F, data| rows_of::<F>(isa, data, w.cols, <F as Format>::Act::pick(acts), y))
 }
 
-/// Rows `idx` of a row-major matrix with `c` columns.
-#[cfg(target_arch = "x86_64")]
-fn quad<T>(m: &[T], c: usize, idx: [usize; 4]) -> [&[T]; 4] {
-    idx.map(|i| &m[i * c..(i + 1) * c])
+/// `y = W @ x` for one weight type: the hot loop of decoding.
+///
+/// Rows j, j+q, j+2q, j+3q go together: x is loaded once for four rows, and
+/// the four quarters of the matrix stream from memory at once, which was
+/// measured to use the memory bus better than four adjacent rows (one
+/// stream). `data (rows * cols / BLOCK_LEN,)`, `x` in the row's activation format.
+fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], y: &mut [f32]) {
+    let rows = y.len();
+    let per_row = cols / F::BLOCK_LEN;
+    assert_eq!(data.len(), rows * per_row, "matrix size");
+    assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
+    let k = F::kernels(isa.tier());
+    let q = rows / 4;
+    let row = |i: usize| &data[i * per_row..(i + 1) * per_row];
+    for j in 0..q {
+        let idx = [j, j + q, j + 2 * q, j + 3 * q];
+        // SAFETY: `isa` proves the CPU has the tier's features; every row
+        // has `per_row` blocks, matching x (checked above).
+        let out = unsafe { (k.rows4)(idx.map(row), x) };
+        for (i, v) in idx.into_iter().zip(out) {
+            y[i] = v;
+        }
+    }
+    for (i, out) in y.iter_mut().enumerate().skip(4 * q) {
+        // SAFETY: as above.
+        *out = unsafe { (k.dot)(row(i), x) };
+    }
 }
 
 /// Below this many weights a mat-vec stays on one thread: waking the pool
@@ -256,8 +114,8 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
     }
     let jobs = jobs.map(|(w, y)| (w, SharedMut::new(y)));
     // An array, not a Vec: this runs for every mat-vec of every token.
-    let all: [&Weights; N] = std::array::from_fn(|i| &jobs[i].0.weights);
-    with_quantized(x, &all, |xq| {
+    let all: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
+    with_acts(isa, x, &all, |acts| {
         let work = |t: usize, n: usize| {
             let (a, b) = pool::share(total, t, n, ROW_ALIGN);
             let mut offset = 0;
@@ -266,7 +124,7 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
                 if lo < hi {
                     // SAFETY: thread shares of the row list are disjoint.
                     let out = unsafe { y.range(lo - offset, hi - offset) };
-                    matvec_rows(isa, w.rows(lo - offset, hi - offset), x, xq, out);
+                    matvec_rows(isa, w.rows(lo - offset, hi - offset), acts, out);
                 }
                 offset += w.rows;
             }
@@ -288,7 +146,7 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
     let isa = Isa::active();
     let rows = gate.rows;
     let out = SharedMut::new(out);
-    with_quantized(x, &[&gate.weights, &up.weights], |xq| {
+    with_acts(isa, x, &[gate, up], |acts| {
         let work = |t: usize, n: usize| {
             let (a, b) = pool::share(rows, t, n, ROW_ALIGN);
             if a == b {
@@ -303,8 +161,8 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
             for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
                 let end = start + o.len();
                 let u = &mut u[..o.len()];
-                matvec_rows(isa, gate.rows(start, end), x, xq, o);
-                matvec_rows(isa, up.rows(start, end), x, xq, u);
+                matvec_rows(isa, gate.rows(start, end), acts, o);
+                matvec_rows(isa, up.rows(start, end), acts, u);
                 silu_mul(o, u);
             }
         };
@@ -321,7 +179,8 @@ const SWIGLU_BLOCK: usize = 256;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dot::tests::{close, synth};
+    use crate::formats::{bf16, f16, quantize_activations_scalar, BlockQ4, BlockQ8, Int4, Int8, Weights};
+    use crate::testutil::{close, synth};
 
     fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
         (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum::<f64>() as f32).collect()
@@ -362,19 +221,18 @@ mod tests {
 
     #[test]
     fn quantized_matvec_matches_the_integer_reference() {
-        use crate::quant::*;
         for (rows, cols) in [(1, 32), (7, 64), (64, 896), (301, 256)] {
             let w = synth(rows * cols, rows as u64 + 3);
             let x = synth(cols, 5);
-            let mut xq = vec![BlockA8::ZERO; cols / QK];
+            let mut xq = vec![BlockA8::ZERO; cols / QK_A8];
             quantize_activations_scalar(&x, &mut xq);
-            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / QK], vec![BlockQ4::ZERO; rows * cols / QK]);
-            quantize_q8_row(&w, &mut q8);
-            quantize_q4_row(&w, &mut q4);
-            let b = cols / QK;
-            let want8: Vec<f32> = (0..rows).map(|r| dot_q8_scalar(&q8[r * b..(r + 1) * b], &xq)).collect();
-            let want4: Vec<f32> = (0..rows).map(|r| dot_q4_scalar(&q4[r * b..(r + 1) * b], &xq)).collect();
-            for (weights, want) in [(Weights::Q8(&q8), want8), (Weights::Q4(&q4), want4)] {
+            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+            Int8::quantize_row(&w, &mut q8);
+            Int4::quantize_row(&w, &mut q4);
+            let b = cols / 32;
+            let want8: Vec<f32> = (0..rows).map(|r| Int8::dot_reference(&q8[r * b..(r + 1) * b], &xq)).collect();
+            let want4: Vec<f32> = (0..rows).map(|r| Int4::dot_reference(&q4[r * b..(r + 1) * b], &xq)).collect();
+            for (weights, want) in [(Weights::Int8(&q8), want8), (Weights::Int4(&q4), want4)] {
                 let m = MatRef::new(weights, rows, cols);
                 for isa in Isa::supported() {
                     let mut y = vec![0.0; rows];
@@ -463,14 +321,5 @@ mod tests {
             matvec_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut out);
             assert_eq!(out, want);
         }
-    }
-
-    #[test]
-    fn row_to_f32_widens_exactly() {
-        let w: Vec<bf16> = [1.5f32, -2.0, 0.25, 8.0].iter().map(|&v| bf16::from_f32(v)).collect();
-        let m = MatRef::new(Weights::Bf16(&w), 2, 2);
-        let mut out = [0.0; 2];
-        m.row_to_f32(1, &mut out);
-        assert_eq!(out, [0.25, 8.0]);
     }
 }

@@ -23,7 +23,7 @@ pub fn prompt_processing(model: &Qwen2, n: usize, chunk: usize) -> Result<Durati
     let last = blocks.len();
     let start = Instant::now();
     for (i, block) in blocks.enumerate() {
-        model.forward_batch(&mut state, block, i + 1 == last)?;
+        state.run(model, block, i + 1 == last)?;
     }
     Ok(start.elapsed())
 }
@@ -35,7 +35,7 @@ pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
     let mut state = model.new_state(n.max(1));
     let start = Instant::now();
     for &t in &tokens {
-        model.forward(&mut state, t, true)?;
+        state.run(model, &[t], true)?;
     }
     Ok(start.elapsed())
 }
@@ -46,7 +46,7 @@ pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
 pub fn weight_read(model: &Qwen2) -> (usize, Duration) {
     let mut slices: Vec<&[u8]> = Vec::new();
     for l in &model.layers {
-        for p in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {
+        for p in l.matrices() {
             slices.push(p.weight.as_bytes());
         }
     }

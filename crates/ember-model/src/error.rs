@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    #[error("model folder {0} does not exist (run `cargo xtask fetch`, or pass --model DIR)")]
+    #[error("model folder {0} does not exist")]
     MissingModelDir(PathBuf),
 
     #[error("{}: {source}", path.display())]
@@ -48,7 +48,7 @@ pub enum Error {
     #[error("chat template: {0}")]
     Template(String),
 
-    #[error("the prompt has {prompt} tokens but the context holds {context} (raise --ctx, up to the model's {max})")]
+    #[error("the prompt has {prompt} tokens but the context holds {context} (the model allows up to {max})")]
     PromptTooLong { prompt: usize, context: usize, max: usize },
 
     #[error("the prompt is empty: at least one token is needed")]
@@ -59,6 +59,9 @@ pub enum Error {
 
     #[error("context of {context} tokens is full")]
     ContextFull { context: usize },
+
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
 
     #[error("invalid option: {0}")]
     Option(String),

@@ -96,10 +96,10 @@ pub fn evaluate_with(
         let window = &tokens[w * ctx..(w + 1) * ctx];
         let mut state = model.new_state(ctx);
         match path {
-            Path::Batched => model.forward_batch_logits(&mut state, window, first, &mut logits)?,
+            Path::Batched => logits.copy_from_slice(state.run_scored(model, window, first)?),
             Path::TokenByToken => {
                 for (j, &id) in window.iter().enumerate() {
-                    let out = model.forward(&mut state, id, j >= first)?;
+                    let out = state.run(model, &[id], j >= first)?;
                     if let Some(l) = out {
                         logits[(j - first) * vocab..(j - first + 1) * vocab].copy_from_slice(l);
                     }
@@ -108,7 +108,7 @@ pub fn evaluate_with(
         }
         if let Some(b) = base {
             let mut state = b.new_state(ctx);
-            b.forward_batch_logits(&mut state, window, first, &mut base_logits)?;
+            base_logits.copy_from_slice(state.run_scored(b, window, first)?);
         }
         let mut out = vec![Score::default(); scored];
         {

@@ -2,11 +2,11 @@
 
 use crate::config::{eos_ids, Config, GenerationConfig};
 use crate::error::{Error, Result};
-use crate::qwen2::{Qwen2, State};
+use crate::kv_cache::KvCache;
+use crate::qwen2::{BatchToken, QuantPolicy, Qwen2, Scratch};
 use crate::stream::TextStream;
 use crate::tokenizer::{Message, Tokenizer};
 use crate::weights::TensorStore;
-use ember_kernels::Quant;
 use ember_sample::{Sampler, SamplerConfig};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -37,16 +37,16 @@ impl Model {
         Model::load_quantized(dir, None)
     }
 
-    /// [`Model::load`], then the weight matrices quantized to `quant` if
-    /// given ([`Qwen2::quantize`]; a few seconds for a 0.5B model).
-    pub fn load_quantized(dir: impl AsRef<Path>, quant: Option<Quant>) -> Result<Model> {
+    /// [`Model::load`], then the weight matrices quantized as `policy` says
+    /// if given ([`Qwen2::quantize`]; a few seconds for a 0.5B model).
+    pub fn load_quantized(dir: impl AsRef<Path>, policy: Option<QuantPolicy>) -> Result<Model> {
         let dir = dir.as_ref();
         if !dir.is_dir() {
             return Err(Error::MissingModelDir(dir.to_path_buf()));
         }
         let mut qwen2 = load_qwen2(dir)?;
-        if let Some(q) = quant {
-            qwen2.quantize(q);
+        if let Some(policy) = &policy {
+            qwen2.quantize(policy);
         }
         let tokenizer = Tokenizer::from_dir(dir)?;
         let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
@@ -89,9 +89,8 @@ impl Model {
         }
         Ok(Session {
             model: self,
-            state: self.qwen2.new_state(context),
-            tokens: Vec::new(),
-            pending: Vec::new(),
+            context: Context::new(self.qwen2.new_cache(context)),
+            scratch: Scratch::default(),
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         })
     }
@@ -131,17 +130,53 @@ impl Default for GenerateOptions {
     }
 }
 
-/// A conversation: the KV cache and the tokens in it.
+/// A conversation: its [`Context`] and the buffers to run the model on it.
 pub struct Session<'m> {
     model: &'m Model,
-    state: State,
+    context: Context,
+    scratch: Scratch,
+    /// Prompt tokens per forward pass.
+    prefill_chunk: usize,
+}
+
+/// What one sequence holds between forward passes: its KV cache, the tokens
+/// in it, and tokens waiting to be run.
+pub struct Context {
+    cache: KvCache,
     /// Tokens whose keys and values are cached, in order.
     tokens: Vec<u32>,
     /// Tokens generated but not yet run through the model (the last sampled
-    /// token of a reply); they are prefilled before the next prompt.
+    /// token of a reply); they run before the next prompt.
     pending: Vec<u32>,
-    /// Prompt tokens per forward pass.
-    prefill_chunk: usize,
+}
+
+impl Context {
+    /// An empty context over `cache`.
+    pub fn new(mut cache: KvCache) -> Context {
+        cache.clear();
+        Context { cache, tokens: Vec::new(), pending: Vec::new() }
+    }
+
+    /// Tokens whose keys and values are cached.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Positions the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    /// Forgets every token after the first `len` (cached or pending).
+    pub fn rewind(&mut self, len: usize) {
+        if len <= self.tokens.len() {
+            self.tokens.truncate(len);
+            self.cache.truncate(len);
+            self.pending.clear();
+        } else {
+            self.pending.truncate(len - self.tokens.len());
+        }
+    }
 }
 
 /// Why generation ended.
@@ -206,7 +241,7 @@ impl<'m> Session<'m> {
 
     /// Tokens in the context (cached and pending).
     pub fn len(&self) -> usize {
-        self.tokens.len() + self.pending.len()
+        self.context.tokens.len() + self.context.pending.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -215,12 +250,12 @@ impl<'m> Session<'m> {
 
     /// The context's capacity in tokens.
     pub fn capacity(&self) -> usize {
-        self.state.capacity()
+        self.context.capacity()
     }
 
     /// Tokens whose keys and values are cached.
     pub fn cached_tokens(&self) -> &[u32] {
-        &self.tokens
+        &self.context.tokens
     }
 
     /// Sets how many prompt tokens go through the model at once (at least 1;
@@ -231,21 +266,13 @@ impl<'m> Session<'m> {
 
     /// Forgets the conversation.
     pub fn reset(&mut self) {
-        self.state.cache.clear();
-        self.tokens.clear();
-        self.pending.clear();
+        self.context.rewind(0);
     }
 
     /// Forgets every token after the first `len` of the context (cached or
     /// pending); their cache entries are overwritten later.
     pub fn rewind(&mut self, len: usize) {
-        if len <= self.tokens.len() {
-            self.tokens.truncate(len);
-            self.state.cache.truncate(len);
-            self.pending.clear();
-        } else {
-            self.pending.truncate(len - self.tokens.len());
-        }
+        self.context.rewind(len);
     }
 
     /// Starts generating after `all`, the whole conversation so far (say, a
@@ -254,7 +281,7 @@ impl<'m> Session<'m> {
     /// common prefix is kept, the rest of the cache is discarded. The reused
     /// count is in [`Stats::reused_tokens`].
     pub fn generate_from<'s>(&'s mut self, all: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
-        let held = self.tokens.iter().chain(&self.pending);
+        let held = self.context.tokens.iter().chain(&self.context.pending);
         let mut common = held.zip(all).take_while(|(a, b)| a == b).count();
         if common == all.len() {
             // Nothing new: run the last token again to get its logits.
@@ -278,80 +305,77 @@ impl<'m> Session<'m> {
         if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
             return Err(Error::TokenOutOfRange { id, vocab });
         }
-        let mut todo = std::mem::take(&mut self.pending);
-        todo.extend_from_slice(prompt);
-        if todo.is_empty() {
+        let ctx = &mut self.context;
+        if ctx.pending.is_empty() && prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let total = self.tokens.len() + todo.len();
-        if total > self.capacity() {
+        let total = ctx.tokens.len() + ctx.pending.len() + prompt.len();
+        if total > ctx.capacity() {
             // Nothing was run: keep the session as it was.
-            self.pending = todo[..todo.len() - prompt.len()].to_vec();
             return Err(Error::PromptTooLong {
                 prompt: total,
-                context: self.capacity(),
+                context: ctx.capacity(),
                 max: self.model.config().max_position_embeddings,
             });
         }
-        let sampler = Sampler::new(options.sampler.clone())?;
-        let vocab_len = self.model.config().vocab_size;
-        let reused = self.tokens.len();
-        Ok(Generation {
-            session: self,
-            sampler,
-            options,
-            todo,
-            logits: vec![0.0; vocab_len],
-            scratch: vec![0.0; vocab_len],
-            history: Vec::new(),
-            stream: TextStream::new(),
-            held: String::new(),
-            stats: Stats { reused_tokens: reused, ..Stats::default() },
-            done: false,
-        })
-    }
-
-    /// Runs `tokens` through the model; returns the logits after the last.
-    fn prefill(&mut self, tokens: &[u32], logits: &mut [f32]) -> Result<()> {
-        let chunks = tokens.chunks(self.prefill_chunk);
-        let n = chunks.len();
-        for (i, chunk) in chunks.enumerate() {
-            let last = i + 1 == n;
-            let out = self.model.qwen2.forward_batch(&mut self.state, chunk, last)?;
-            self.tokens.extend_from_slice(chunk);
-            if let Some(l) = out {
-                logits.copy_from_slice(l);
-            }
-        }
-        Ok(())
+        let mut todo = std::mem::take(&mut ctx.pending);
+        todo.extend_from_slice(prompt);
+        let decoding = Decoding::new(self.model, options, todo, ctx.tokens.len())?;
+        Ok(Generation { session: self, decoding })
     }
 }
 
-/// An in-progress generation: an iterator of [`Token`]s.
-pub struct Generation<'s, 'm> {
-    session: &'s mut Session<'m>,
+/// The generation state of one sequence, apart from the model: what is
+/// still to run, the sampler and its history, the text stream and stop
+/// strings, and the counts and timings. [`step`] drives several at once.
+pub struct Decoding {
     sampler: Sampler,
     options: GenerateOptions,
     /// Tokens to run before sampling the next one.
     todo: Vec<u32>,
+    /// How many of `todo` ran in earlier forward passes (a long prompt runs
+    /// in chunks).
+    done_todo: usize,
     /// Logits `(vocab,)` the latest token was sampled from, unmodified.
     logits: Vec<f32>,
     /// The sampler's working copy of the logits `(vocab,)`.
     scratch: Vec<f32>,
-    /// Tokens of the session plus those generated, for penalties.
+    /// Tokens of the context plus those generated, for penalties.
     history: Vec<u32>,
     stream: TextStream,
     /// Text held back because it may begin a stop string.
     held: String,
     stats: Stats,
+    /// The token sampled by the latest [`step`], if any.
+    sampled: Option<Token>,
     done: bool,
 }
 
-impl Generation<'_, '_> {
-    /// The logits `(vocab,)` the most recent token was drawn from (after the
-    /// first `next`, those at the prompt's last position).
-    pub fn logits(&self) -> &[f32] {
-        &self.logits
+impl Decoding {
+    /// Generation of `options` after `todo` (the prompt, with any pending
+    /// tokens first) on a context holding `reused` cached tokens.
+    pub fn new(model: &Model, options: GenerateOptions, todo: Vec<u32>, reused: usize) -> Result<Decoding> {
+        let sampler = Sampler::new(options.sampler.clone())?;
+        let vocab = model.config().vocab_size;
+        Ok(Decoding {
+            sampler,
+            options,
+            todo,
+            done_todo: 0,
+            logits: vec![0.0; vocab],
+            scratch: vec![0.0; vocab],
+            history: Vec::new(),
+            stream: TextStream::new(),
+            held: String::new(),
+            stats: Stats { reused_tokens: reused, ..Stats::default() },
+            sampled: None,
+            done: false,
+        })
+    }
+
+    /// Whether generation has ended (see [`Stats::stop`]).
+    pub fn is_done(&self) -> bool {
+        self.done
     }
 
     /// Counts and timings so far.
@@ -359,42 +383,47 @@ impl Generation<'_, '_> {
         &self.stats
     }
 
-    fn step(&mut self) -> Result<Option<Token>> {
+    /// The logits `(vocab,)` the most recent token was drawn from.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// The token the latest [`step`] sampled, taken.
+    pub fn take_token(&mut self) -> Option<Token> {
+        self.sampled.take()
+    }
+
+    /// Checks the limits before a step; ends the generation if one is reached.
+    fn ready(&mut self, ctx: &mut Context) -> bool {
         if self.done {
-            return Ok(None);
+            return false;
         }
         if self.stats.generated >= self.options.max_tokens {
-            return Ok(self.stop(StopReason::MaxTokens));
+            self.stop(ctx, StopReason::MaxTokens);
+        } else if ctx.tokens.len() + self.todo.len() > ctx.capacity() {
+            self.stop(ctx, StopReason::ContextFull);
         }
-        if self.session.tokens.len() + self.todo.len() > self.session.capacity() {
-            return Ok(self.stop(StopReason::ContextFull));
-        }
-        let start = Instant::now();
-        self.session.prefill(&self.todo, &mut self.logits)?;
-        if self.stats.generated == 0 {
-            self.stats.prompt_tokens = self.todo.len();
-            self.stats.prefill = start.elapsed();
-            self.history.extend_from_slice(&self.session.tokens);
-        } else {
-            self.stats.decode_tokens += self.todo.len();
-            self.stats.decode += start.elapsed();
-        }
+        !self.done
+    }
 
+    /// Samples the next token from `self.logits` and updates the text, stop
+    /// strings and limits.
+    fn sample(&mut self, model: &Model, ctx: &mut Context) -> Result<Token> {
         self.scratch.copy_from_slice(&self.logits);
         let id = self.sampler.sample(&mut self.scratch, &self.history);
         self.history.push(id);
         self.stats.generated += 1;
-        let model = self.session.model;
         let is_eos = self.options.stop_at_eos && model.eos_token_ids().contains(&id);
         let delta = self.stream.push(&model.tokenizer, id)?;
-        // The sampled token runs at the next step (or waits in the session).
+        // The sampled token runs at the next step (or waits in the context).
         self.todo.clear();
         self.todo.push(id);
+        self.done_todo = 0;
         let end = if is_eos {
             Some(StopReason::Eos)
         } else if self.stats.generated >= self.options.max_tokens {
             Some(StopReason::MaxTokens)
-        } else if self.session.tokens.len() + self.todo.len() > self.session.capacity() {
+        } else if ctx.tokens.len() + self.todo.len() > ctx.capacity() {
             Some(StopReason::ContextFull)
         } else {
             None
@@ -405,15 +434,11 @@ impl Generation<'_, '_> {
         }
         let (text, hit) = self.stop_filter(delta, end.is_some());
         match (hit, end) {
-            (true, _) => {
-                self.stop(StopReason::StopString);
-            }
-            (false, Some(reason)) => {
-                self.stop(reason);
-            }
+            (true, _) => self.stop(ctx, StopReason::StopString),
+            (false, Some(reason)) => self.stop(ctx, reason),
             (false, None) => {}
         }
-        Ok(Some(Token { id, text, is_eos }))
+        Ok(Token { id, text, is_eos })
     }
 
     /// Applies the stop strings to a text delta: returns the text safe to
@@ -447,13 +472,106 @@ impl Generation<'_, '_> {
         (std::mem::replace(&mut self.held, rest), false)
     }
 
-    fn stop(&mut self, reason: StopReason) -> Option<Token> {
+    /// Ends the generation; the sampled-but-unrun token waits in `ctx`.
+    fn stop(&mut self, ctx: &mut Context, reason: StopReason) {
         if !self.done {
             self.done = true;
             self.stats.stop = Some(reason);
-            self.session.pending = std::mem::take(&mut self.todo);
+            ctx.pending = self.todo[self.done_todo..].to_vec();
+            self.todo.clear();
         }
-        None
+    }
+}
+
+/// One step of several sequences together: every sequence's waiting tokens
+/// run through the model in shared forward passes (at most `chunk` tokens of
+/// each sequence per pass; a prompt longer than that takes several), then
+/// each sequence samples its next token, found afterwards with
+/// [`Decoding::take_token`]. Sequences that have ended are skipped.
+pub fn step(
+    model: &Model,
+    scratch: &mut Scratch,
+    chunk: usize,
+    seqs: &mut [(&mut Context, &mut Decoding)],
+) -> Result<()> {
+    let chunk = chunk.max(1);
+    let start = Instant::now();
+    let live: Vec<bool> = seqs.iter_mut().map(|(ctx, d)| d.ready(ctx)).collect();
+    let mut batch = Vec::new();
+    loop {
+        batch.clear();
+        for (s, (ctx, d)) in seqs.iter().enumerate() {
+            if !live[s] {
+                continue;
+            }
+            let from = d.done_todo;
+            let to = (from + chunk).min(d.todo.len());
+            let pos0 = ctx.tokens.len();
+            for (k, &token) in d.todo[from..to].iter().enumerate() {
+                let last = from + k + 1 == d.todo.len();
+                batch.push(BatchToken { token, seq: s, pos: pos0 + k, logits: last });
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let mut caches: Vec<&mut KvCache> = seqs.iter_mut().map(|(ctx, _)| &mut ctx.cache).collect();
+        let logits = model.qwen2.forward(&batch, &mut caches, scratch)?;
+        let vocab = model.config().vocab_size;
+        let mut row = 0;
+        for (s, (ctx, d)) in seqs.iter_mut().enumerate() {
+            let ran = batch.iter().filter(|b| b.seq == s).count();
+            if ran == 0 {
+                continue;
+            }
+            ctx.tokens.extend_from_slice(&d.todo[d.done_todo..d.done_todo + ran]);
+            d.done_todo += ran;
+            if d.done_todo == d.todo.len() {
+                d.logits.copy_from_slice(&logits[row * vocab..(row + 1) * vocab]);
+                row += 1;
+            }
+        }
+    }
+    let elapsed = start.elapsed();
+    for (s, (ctx, d)) in seqs.iter_mut().enumerate() {
+        if !live[s] {
+            continue;
+        }
+        if d.stats.generated == 0 {
+            d.stats.prompt_tokens = d.todo.len();
+            d.stats.prefill = elapsed;
+            d.history.extend_from_slice(&ctx.tokens);
+        } else {
+            d.stats.decode_tokens += d.todo.len();
+            d.stats.decode += elapsed;
+        }
+        d.sampled = Some(d.sample(model, ctx)?);
+    }
+    Ok(())
+}
+
+/// An in-progress generation of a [`Session`]: an iterator of [`Token`]s.
+pub struct Generation<'s, 'm> {
+    session: &'s mut Session<'m>,
+    decoding: Decoding,
+}
+
+impl Generation<'_, '_> {
+    /// The logits `(vocab,)` the most recent token was drawn from (after the
+    /// first `next`, those at the prompt's last position).
+    pub fn logits(&self) -> &[f32] {
+        self.decoding.logits()
+    }
+
+    /// Counts and timings so far.
+    pub fn stats(&self) -> &Stats {
+        self.decoding.stats()
+    }
+
+    fn step(&mut self) -> Result<Option<Token>> {
+        let s = &mut *self.session;
+        step(s.model, &mut s.scratch, s.prefill_chunk, &mut [(&mut s.context, &mut self.decoding)])?;
+        Ok(self.decoding.take_token())
     }
 }
 
@@ -465,7 +583,7 @@ impl Iterator for Generation<'_, '_> {
             Ok(Some(t)) => Some(Ok(t)),
             Ok(None) => None,
             Err(e) => {
-                self.done = true;
+                self.decoding.done = true;
                 Some(Err(e))
             }
         }
@@ -476,8 +594,10 @@ impl Drop for Generation<'_, '_> {
     fn drop(&mut self) {
         // A generation dropped early (the caller stopped reading) still leaves
         // its sampled-but-unrun token for the next turn.
-        if !self.done {
-            self.session.pending = std::mem::take(&mut self.todo);
+        if !self.decoding.done {
+            let d = &mut self.decoding;
+            self.session.context.pending = d.todo[d.done_todo..].to_vec();
+            d.done = true;
         }
     }
 }

@@ -38,17 +38,18 @@ pub mod weights;
 pub mod eval;
 pub mod quantize;
 pub use config::{Config, GenerationConfig};
-pub use ember_kernels::Quant;
+pub use ember_kernels::WeightType;
 pub use ember_sample::{Sampler, SamplerConfig};
 pub use error::{Error, Result};
 pub use generate::{
-    load_qwen2, GenerateOptions, Generation, Model, Session, Stats, StopReason, Token, DEFAULT_CONTEXT,
-    DEFAULT_PREFILL_CHUNK,
+    load_qwen2, step, Context, Decoding, GenerateOptions, Generation, Model, Session, Stats, StopReason, Token,
+    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK,
 };
-pub use qwen2::{precision, Qwen2, State, WeightRole};
+pub use kv_cache::KvCache;
+pub use qwen2::{BatchToken, QuantPolicy, Qwen2, Scratch, State, WeightRole, INT4_KEEPS_INT8};
 pub use stream::TextStream;
 pub use tokenizer::{ChatTemplate, Message, Role, Tokenizer};
-pub use weights::{DType, Tensor, TensorStore};
+pub use weights::{Tensor, TensorStore};
 
 /// The folder `cargo xtask fetch` fills: `$EMBER_MODELS/qwen2.5-coder-0.5b-instruct`,
 /// with `EMBER_MODELS` defaulting to `~/.cache/ember-models`.

@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::qwen2::Qwen2;
-use crate::weights::{quant_key, write_safetensors, DType, Tensor, TensorStore};
+use crate::weights::{quant_key, safetensors_dtype, write_safetensors, Tensor, TensorStore};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -30,13 +30,13 @@ pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) 
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let mut quantized: BTreeMap<String, &Tensor> = BTreeMap::new();
     for l in &model.layers {
-        for p in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj] {
+        for p in l.matrices() {
             quantized.insert(p.weight.name.clone(), &p.weight);
         }
     }
     quantized.insert(model.embed_tokens.name.clone(), &model.embed_tokens);
     quantized.insert(model.lm_head.name.clone(), &model.lm_head);
-    quantized.retain(|_, t| t.dtype.quant().is_some());
+    quantized.retain(|_, t| t.dtype.is_quantized());
 
     let mut names: Vec<&str> = store.names().collect();
     names.sort();
@@ -47,28 +47,19 @@ pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) 
     for t in &originals {
         match quantized.get(&t.name) {
             Some(q) => {
-                let format = q.dtype.quant().expect("retained above");
+                let format = q.dtype;
                 let rows = q.shape[0];
                 let row_bytes = q.size_bytes() / rows;
                 metadata.insert(quant_key(&t.name), format.name().to_string());
-                tensors.push((t.name.clone(), "U8", vec![rows, row_bytes], q.as_bytes()));
+                tensors.push((t.name.clone(), "U8".into(), vec![rows, row_bytes], q.as_bytes()));
             }
-            None => {
-                let dtype = match t.dtype {
-                    DType::F32 => "F32",
-                    DType::Bf16 => "BF16",
-                    DType::F16 => "F16",
-                    DType::Q8 | DType::Q4 => {
-                        // Already quantized in the source folder: keep its format.
-                        let format = t.dtype.quant().expect("quantized");
-                        metadata.insert(quant_key(&t.name), format.name().to_string());
-                        let rows = t.shape[0];
-                        tensors.push((t.name.clone(), "U8", vec![rows, t.size_bytes() / rows], t.as_bytes()));
-                        continue;
-                    }
-                };
-                tensors.push((t.name.clone(), dtype, t.shape.clone(), t.as_bytes()));
+            None if t.dtype.is_quantized() => {
+                // Already quantized in the source folder: keep its format.
+                metadata.insert(quant_key(&t.name), t.dtype.name().to_string());
+                let rows = t.shape[0];
+                tensors.push((t.name.clone(), "U8".into(), vec![rows, t.size_bytes() / rows], t.as_bytes()));
             }
+            None => tensors.push((t.name.clone(), safetensors_dtype(t.dtype), t.shape.clone(), t.as_bytes())),
         }
     }
     write_safetensors(&out.join("model.safetensors"), &tensors, &metadata)?;

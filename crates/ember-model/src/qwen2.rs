@@ -1,35 +1,29 @@
 //! The Qwen2 decoder: weights named as in HuggingFace's `modeling_qwen2.py`
-//! and a forward pass of one token against the KV cache.
+//! and one forward pass over a batch of tokens, each tagged with its sequence
+//! and position (a prompt block, one token of each of several sequences, or
+//! the single token of a decode step), against the sequences' KV caches.
 //!
 //! ```text
-//! x = embed_tokens[token]
+//! x = embed_tokens[token]                        for every token of the batch
 //! for each layer:
 //!     h = input_layernorm(x)
 //!     q, k, v = q_proj(h) + bq, k_proj(h) + bk, v_proj(h) + bv
 //!     q, k = rope(q, pos), rope(k, pos)          rotate-half
-//!     cache[layer, pos] = k, v
-//!     x = x + o_proj(attention(q, cache[layer, ..=pos]))
+//!     cache[seq][layer, pos] = k, v
+//!     x = x + o_proj(attention(q, cache[seq][layer, ..=pos]))
 //!     h = post_attention_layernorm(x)
 //!     x = x + down_proj(silu(gate_proj(h)) * up_proj(h))
-//! logits = lm_head(norm(x))                      lm_head = embed_tokens when tied
+//! logits = lm_head(norm(x))                      tokens that want logits; lm_head = embed_tokens when tied
 //! ```
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::weights::{Tensor, TensorStore};
-use ember_kernels::attention::{attend_heads, AttnShape};
-use ember_kernels::ops::softmax;
+use ember_kernels::attention::{attention, AttnShape};
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
-use ember_kernels::pool::{self, SharedMut};
-use ember_kernels::{
-    matmul, matmul_swiglu, matmul_with, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Quant, Weights,
-};
-use std::cell::RefCell;
-
-/// Below this many cached positions attention stays on one thread: it is a
-/// few microseconds, less than a wake-up of the pool.
-const PARALLEL_ATTENTION_MIN_LEN: usize = 128;
+use ember_kernels::pool;
+use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, WeightType};
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {
@@ -48,21 +42,20 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
-    /// `y (out,) = W x (in,) + b`.
-    pub fn forward(&self, x: &[f32], y: &mut [f32]) {
-        matvec(self.weight.matrix(), x, y);
-        self.add_bias(y);
+    fn matrix(&self) -> MatRef<'_> {
+        self.weight.matrix()
     }
 
+    /// Adds the bias to each row of `y (T, out)`.
     fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
-            add_bias(y, b);
+            y.chunks_exact_mut(b.len()).for_each(|row| add_bias(row, b));
         }
     }
 }
 
 /// Which matrix of the model a weight is, for choosing its precision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightRole {
     Q,
     K,
@@ -76,6 +69,18 @@ pub enum WeightRole {
 }
 
 impl WeightRole {
+    /// Every role.
+    pub const ALL: [WeightRole; 8] = [
+        WeightRole::Q,
+        WeightRole::K,
+        WeightRole::V,
+        WeightRole::O,
+        WeightRole::Gate,
+        WeightRole::Up,
+        WeightRole::Down,
+        WeightRole::Vocabulary,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             WeightRole::Q => "q",
@@ -88,49 +93,105 @@ impl WeightRole {
             WeightRole::Vocabulary => "vocab",
         }
     }
+
+    /// Parses [`WeightRole::name`].
+    pub fn from_name(s: &str) -> Option<WeightRole> {
+        WeightRole::ALL.into_iter().find(|r| r.name() == s.trim())
+    }
 }
 
-/// The matrices `int4` keeps at INT8 (measured with `ember eval` on
-/// fixtures/eval/gpl-3.0.txt, Qwen2.5-Coder-0.5B, KLD against BF16 / top-1):
-/// all at 4 bits but the embedding 0.180 / 80.3%; + k, v (2% of the weights)
-/// 0.123 / 83.1%; + down 0.094 / 85.7%; + o 0.078 / 87.5% (+ q as well:
-/// 0.072 / 87.9%, not worth its bytes). The embedding / LM head is a quarter
-/// of this model and every logit passes through it; k and v are tiny and feed
-/// every later position; down and o write into the residual stream, down from
-/// the SiLU-gated products whose outliers 4 bits round worst.
+/// The matrices `int4` keeps at INT8 by default (measured with `ember eval`
+/// on fixtures/eval/gpl-3.0.txt, Qwen2.5-Coder-0.5B, KLD against BF16 /
+/// top-1): all at 4 bits but the embedding 0.180 / 80.3%; + k, v (2% of the
+/// weights) 0.123 / 83.1%; + down 0.094 / 85.7%; + o 0.078 / 87.5% (+ q as
+/// well: 0.072 / 87.9%, not worth its bytes). The embedding / LM head is a
+/// quarter of this model and every logit passes through it; k and v are tiny
+/// and feed every later position; down and o write into the residual stream,
+/// down from the SiLU-gated products whose outliers 4 bits round worst.
 pub const INT4_KEEPS_INT8: [WeightRole; 5] =
     [WeightRole::Vocabulary, WeightRole::K, WeightRole::V, WeightRole::O, WeightRole::Down];
 
-/// The format a matrix gets when the model is quantized to `q`: `q` itself,
-/// except the [`INT4_KEEPS_INT8`] matrices with `int4`. `EMBER_INT4_KEEP`
-/// (comma-separated role names: q, k, v, o, gate, up, down, vocab) replaces
-/// that list, for measuring other choices.
-pub fn precision(q: Quant, role: WeightRole) -> Quant {
-    if q != Quant::Int4 {
-        return q;
+/// Which weight type each matrix gets when a model is quantized: `format`,
+/// except the `keep_int8` matrices, which get INT8.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantPolicy {
+    pub format: WeightType,
+    pub keep_int8: Vec<WeightRole>,
+}
+
+impl QuantPolicy {
+    /// The measured default for `format`: with `int4`, [`INT4_KEEPS_INT8`]
+    /// stay at INT8; other formats apply to every matrix.
+    pub fn new(format: WeightType) -> QuantPolicy {
+        let keep_int8 = if format == WeightType::Int4 { INT4_KEEPS_INT8.to_vec() } else { Vec::new() };
+        QuantPolicy { format, keep_int8 }
     }
-    let keep = match std::env::var("EMBER_INT4_KEEP") {
-        Ok(list) => list.split(',').any(|k| k.trim() == role.name()),
-        Err(_) => INT4_KEEPS_INT8.contains(&role),
-    };
-    if keep {
-        Quant::Int8
-    } else {
-        Quant::Int4
+
+    /// The type the matrix of `role` gets.
+    pub fn format_for(&self, role: WeightRole) -> WeightType {
+        if self.keep_int8.contains(&role) {
+            WeightType::Int8
+        } else {
+            self.format
+        }
     }
+}
+
+impl From<WeightType> for QuantPolicy {
+    fn from(format: WeightType) -> QuantPolicy {
+        QuantPolicy::new(format)
+    }
+}
+
+/// The attention half of a layer, named as in HF (`self_attn`).
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+}
+
+/// The SwiGLU MLP of a layer: `down(silu(gate(h)) * up(h))`.
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
 }
 
 /// One decoder layer's weights.
 pub struct Layer {
     pub input_layernorm: Vec<f32>,
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
-    pub o_proj: Linear,
+    pub self_attn: Attention,
     pub post_attention_layernorm: Vec<f32>,
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
+    pub mlp: Mlp,
+}
+
+/// A layer's matrices: HF name under `model.layers.N.`, role, `(rows, cols)`
+/// from the config, and whether it has a bias. The one list of them.
+fn layer_matrices(c: &Config) -> [(&'static str, WeightRole, [usize; 2], bool); 7] {
+    let (h, q, kv, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    [
+        ("self_attn.q_proj", WeightRole::Q, [q, h], true),
+        ("self_attn.k_proj", WeightRole::K, [kv, h], true),
+        ("self_attn.v_proj", WeightRole::V, [kv, h], true),
+        ("self_attn.o_proj", WeightRole::O, [h, q], false),
+        ("mlp.gate_proj", WeightRole::Gate, [ff, h], false),
+        ("mlp.up_proj", WeightRole::Up, [ff, h], false),
+        ("mlp.down_proj", WeightRole::Down, [h, ff], false),
+    ]
+}
+
+impl Layer {
+    /// The matrices in [`layer_matrices`] order.
+    pub fn matrices(&self) -> [&Linear; 7] {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
+    }
+
+    fn matrices_mut(&mut self) -> [&mut Linear; 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj, &mut m.gate_proj, &mut m.up_proj, &mut m.down_proj]
+    }
 }
 
 /// The whole model's weights and the tables derived from its config.
@@ -148,22 +209,23 @@ impl Qwen2 {
     /// Takes every tensor the config calls for from `store`, checking shapes.
     pub fn from_store(config: Config, store: &TensorStore) -> Result<Qwen2> {
         let c = &config;
-        let (h, q, kv, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let h = c.hidden_size;
         let norm = |name: String| store.get(&name, &[h]).map(|t| t.to_f32_vec());
         let embed_tokens = store.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
+            let mut m = Vec::with_capacity(7);
+            for (name, _, [rows, cols], bias) in layer_matrices(c) {
+                m.push(Linear::load(store, &format!("{p}.{name}"), rows, cols, bias)?);
+            }
+            let [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]: [Linear; 7] =
+                m.try_into().unwrap_or_else(|_| unreachable!("seven matrices"));
             layers.push(Layer {
                 input_layernorm: norm(format!("{p}.input_layernorm.weight"))?,
-                q_proj: Linear::load(store, &format!("{p}.self_attn.q_proj"), q, h, true)?,
-                k_proj: Linear::load(store, &format!("{p}.self_attn.k_proj"), kv, h, true)?,
-                v_proj: Linear::load(store, &format!("{p}.self_attn.v_proj"), kv, h, true)?,
-                o_proj: Linear::load(store, &format!("{p}.self_attn.o_proj"), h, q, false)?,
+                self_attn: Attention { q_proj, k_proj, v_proj, o_proj },
                 post_attention_layernorm: norm(format!("{p}.post_attention_layernorm.weight"))?,
-                gate_proj: Linear::load(store, &format!("{p}.mlp.gate_proj"), ff, h, false)?,
-                up_proj: Linear::load(store, &format!("{p}.mlp.up_proj"), ff, h, false)?,
-                down_proj: Linear::load(store, &format!("{p}.mlp.down_proj"), h, ff, false)?,
+                mlp: Mlp { gate_proj, up_proj, down_proj },
             });
         }
         let norm = norm("model.norm.weight".into())?;
@@ -180,25 +242,18 @@ impl Qwen2 {
         Ok(Qwen2 { config, embed_tokens, layers, norm, lm_head, rope })
     }
 
-    /// Quantizes the weight matrices in place (see [`precision`] for which
-    /// matrix gets which format). Matrices already quantized stay as they are.
-    pub fn quantize(&mut self, q: Quant) {
+    /// Quantizes the weight matrices in place, each to the type `policy`
+    /// gives its role. Matrices already quantized stay as they are.
+    pub fn quantize(&mut self, policy: &QuantPolicy) {
         let tied = self.lm_head.same_data(&self.embed_tokens);
         let convert = |t: &mut Tensor, role: WeightRole| {
             if t.can_quantize() {
-                *t = t.quantize(precision(q, role));
+                *t = t.quantize(policy.format_for(role));
             }
         };
+        let roles = layer_matrices(&self.config).map(|(_, role, _, _)| role);
         for layer in &mut self.layers {
-            for (p, role) in [
-                (&mut layer.q_proj, WeightRole::Q),
-                (&mut layer.k_proj, WeightRole::K),
-                (&mut layer.v_proj, WeightRole::V),
-                (&mut layer.o_proj, WeightRole::O),
-                (&mut layer.gate_proj, WeightRole::Gate),
-                (&mut layer.up_proj, WeightRole::Up),
-                (&mut layer.down_proj, WeightRole::Down),
-            ] {
+            for (p, role) in layer.matrices_mut().into_iter().zip(roles) {
                 convert(&mut p.weight, role);
             }
         }
@@ -210,390 +265,209 @@ impl Qwen2 {
         }
     }
 
-    /// A fresh state with room for `context` positions.
+    /// A fresh single-sequence state with room for `context` positions.
     pub fn new_state(&self, context: usize) -> State {
+        State { cache: self.new_cache(context), scratch: Scratch::default() }
+    }
+
+    /// An empty KV cache for one sequence of up to `context` positions.
+    pub fn new_cache(&self, context: usize) -> KvCache {
         let c = &self.config;
-        State {
-            cache: KvCache::new(c.num_hidden_layers, context, c.kv_dim()),
-            x: vec![0.0; c.hidden_size],
-            h: vec![0.0; c.hidden_size],
-            q: vec![0.0; c.q_dim()],
-            k: vec![0.0; c.kv_dim()],
-            v: vec![0.0; c.kv_dim()],
-            att: vec![0.0; c.q_dim()],
-            ffn: vec![0.0; c.intermediate_size],
-            scores: vec![0.0; c.num_attention_heads * context],
-            cos: vec![0.0; c.head_dim / 2],
-            sin: vec![0.0; c.head_dim / 2],
-            logits: vec![0.0; c.vocab_size],
-            batch: Batch::default(),
-        }
+        KvCache::new(c.num_hidden_layers, context, c.kv_dim())
     }
 
     /// Bytes of weights one decoded token streams (every matrix once).
     pub fn weight_bytes_per_token(&self) -> usize {
-        let per_layer = |l: &Layer| {
-            [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj]
-                .iter()
-                .map(|p| p.weight.size_bytes())
-                .sum::<usize>()
-        };
+        let per_layer = |l: &Layer| l.matrices().iter().map(|p| p.weight.size_bytes()).sum::<usize>();
         self.layers.iter().map(per_layer).sum::<usize>() + self.lm_head.size_bytes()
     }
 
-    /// Runs `token` at the next position of `state` and appends its keys and
-    /// values to the cache. With `want_logits`, returns the next-token logits
-    /// `(vocab,)`; prompt tokens before the last skip the LM head.
-    pub fn forward<'s>(&self, state: &'s mut State, token: u32, want_logits: bool) -> Result<Option<&'s [f32]>> {
-        let c = &self.config;
-        if token as usize >= c.vocab_size {
-            return Err(Error::TokenOutOfRange { id: token, vocab: c.vocab_size });
-        }
-        let pos = state.cache.len();
-        if pos >= state.cache.capacity() {
-            return Err(Error::ContextFull { context: state.cache.capacity() });
-        }
-        let isa = Isa::active();
-        let pool = pool::global();
-        let shape =
-            AttnShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        let eps = c.rms_norm_eps;
-        let s = state;
-        self.embed_tokens.matrix().row_to_f32(token as usize, &mut s.x);
-        self.rope.cos_sin(pos, &mut s.cos, &mut s.sin);
-
-        for (li, layer) in self.layers.iter().enumerate() {
-            // Attention block.
-            rmsnorm(&s.x, &layer.input_layernorm, eps, &mut s.h);
-            // q, k and v read the same input: one parallel pass.
-            matvecs(
-                pool,
-                &s.h,
-                [
-                    (layer.q_proj.weight.matrix(), &mut s.q[..]),
-                    (layer.k_proj.weight.matrix(), &mut s.k[..]),
-                    (layer.v_proj.weight.matrix(), &mut s.v[..]),
-                ],
-            );
-            layer.q_proj.add_bias(&mut s.q);
-            layer.k_proj.add_bias(&mut s.k);
-            layer.v_proj.add_bias(&mut s.v);
-            rope_rotate_half(&mut s.q, c.head_dim, &s.cos, &s.sin);
-            rope_rotate_half(&mut s.k, c.head_dim, &s.cos, &s.sin);
-            s.cache.store(li, pos, &s.k, &s.v);
-            let (keys, values) = s.cache.layer(li, pos + 1);
-            attention(isa, shape, &s.q, keys, values, &mut s.scores, &mut s.att);
-            layer.o_proj.forward(&s.att, &mut s.h);
-            add_assign(&mut s.x, &s.h);
-
-            // MLP block: SwiGLU, gate and up in one pass.
-            rmsnorm(&s.x, &layer.post_attention_layernorm, eps, &mut s.h);
-            matvec_swiglu(pool, layer.gate_proj.weight.matrix(), layer.up_proj.weight.matrix(), &s.h, &mut s.ffn);
-            layer.down_proj.forward(&s.ffn, &mut s.h);
-            add_assign(&mut s.x, &s.h);
-        }
-        s.cache.advance();
-        if !want_logits {
-            return Ok(None);
-        }
-        rmsnorm(&s.x, &self.norm, eps, &mut s.h);
-        matvec(self.lm_head.matrix(), &s.h, &mut s.logits);
-        Ok(Some(&s.logits))
-    }
-}
-
-impl Qwen2 {
-    /// Runs a block of tokens at the next positions of `state`, every layer
-    /// as matrix-matrix products (each weight read once for the block), and
-    /// appends their keys and values to the cache. With `want_logits`, returns
-    /// the logits `(vocab,)` after the last token. Equal to calling
-    /// [`Qwen2::forward`] on each token in turn, up to rounding.
-    pub fn forward_batch<'s>(
+    /// One forward pass over a batch of tokens: the whole model.
+    ///
+    /// Each token is tagged with its sequence (an index into `caches`) and its
+    /// position there: a prompt block is many tokens of one sequence at
+    /// consecutive positions, decoding several sequences is one token of
+    /// each, and single-token decode is the batch of one. A sequence's tokens
+    /// must continue its cache: the first at `caches[seq].len()`, the next
+    /// one after it, and so on. Their keys and values are appended to the
+    /// caches. Returns the logits `(n, vocab)` of the `n` tokens with
+    /// `logits: true`, in batch order.
+    ///
+    /// Every projection reads each weight once for the whole batch (a
+    /// mat-vec for one token, matrix-matrix products for more); attention
+    /// gives each token its own sequence's keys up to its own position.
+    pub fn forward<'s>(
         &self,
-        state: &'s mut State,
-        tokens: &[u32],
-        want_logits: bool,
-    ) -> Result<Option<&'s [f32]>> {
-        let t = tokens.len();
-        if t <= 1 {
-            return match tokens.first() {
-                Some(&tok) => self.forward(state, tok, want_logits),
-                None => Ok(None),
-            };
-        }
-        self.run_block(state, tokens)?;
-        if !want_logits {
-            return Ok(None);
-        }
-        let h = self.config.hidden_size;
-        let s = state;
-        rmsnorm(&s.batch.x[(t - 1) * h..t * h], &self.norm, self.config.rms_norm_eps, &mut s.h);
-        matvec(self.lm_head.matrix(), &s.h, &mut s.logits);
-        Ok(Some(&s.logits))
-    }
-
-    /// Runs a block like [`Qwen2::forward_batch`] and writes the logits after
-    /// each of its tokens `from..` into `logits ((T - from), vocab)` (for
-    /// perplexity: every position's prediction, the LM head as one matrix
-    /// product).
-    pub fn forward_batch_logits(
-        &self,
-        state: &mut State,
-        tokens: &[u32],
-        from: usize,
-        logits: &mut [f32],
-    ) -> Result<()> {
-        let (t, h, v) = (tokens.len(), self.config.hidden_size, self.config.vocab_size);
-        if from >= t {
-            return Err(Error::Option(format!("no positions to score: from {from} of {t} tokens")));
-        }
-        assert_eq!(logits.len(), (t - from) * v, "logits is (T - from, vocab)");
-        self.run_block(state, tokens)?;
-        // The block's scratch `h` is free once the layers have run.
-        let b = &mut state.batch;
-        let (x, normed) = (&b.x[from * h..t * h], &mut b.h[..(t - from) * h]);
-        for (xr, nr) in x.chunks_exact(h).zip(normed.chunks_exact_mut(h)) {
-            rmsnorm(xr, &self.norm, self.config.rms_norm_eps, nr);
-        }
-        matmul(pool::global(), self.lm_head.matrix(), normed, logits);
-        Ok(())
-    }
-
-    /// Every layer for a block of tokens at the next positions; leaves the
-    /// residual stream `(T, hidden)` in `state.batch.x` and advances the cache.
-    fn run_block(&self, state: &mut State, tokens: &[u32]) -> Result<()> {
+        batch: &[BatchToken],
+        caches: &mut [&mut KvCache],
+        scratch: &'s mut Scratch,
+    ) -> Result<&'s [f32]> {
         let c = &self.config;
-        let t = tokens.len();
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(Error::TokenOutOfRange { id, vocab: c.vocab_size });
-        }
-        let pos0 = state.cache.len();
-        if pos0 + t > state.cache.capacity() {
-            return Err(Error::ContextFull { context: state.cache.capacity() });
-        }
-        let (h, q, kv, ff, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim);
+        let t = batch.len();
+        self.check_batch(batch, caches)?;
+        let (h, hd, vocab) = (c.hidden_size, c.head_dim, c.vocab_size);
         let isa = Isa::active();
         let pool = pool::global();
         let shape = AttnShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: hd };
         let eps = c.rms_norm_eps;
-        let s = state;
-        s.batch.reserve(c, t);
-        let b = &mut s.batch;
-        // Block buffers, row t for token t:
-        let x = &mut b.x[..t * h]; // (T, hidden) residual stream
-        let hb = &mut b.h[..t * h]; // (T, hidden) normalised input or block output
-        let qb = &mut b.q[..t * q]; // (T, heads * head_dim)
-        let kb = &mut b.k[..t * kv]; // (T, kv_heads * head_dim)
-        let vb = &mut b.v[..t * kv];
-        let att = &mut b.att[..t * q]; // (T, heads * head_dim)
-        let gate = &mut b.gate[..t * ff]; // (T, intermediate)
-        let up = &mut b.up[..t * ff];
-        let (cos, sin) = (&mut b.cos[..t * hd / 2], &mut b.sin[..t * hd / 2]); // (T, head_dim / 2)
-
-        for (i, &tok) in tokens.iter().enumerate() {
-            self.embed_tokens.matrix().row_to_f32(tok as usize, &mut x[i * h..(i + 1) * h]);
-            self.rope.cos_sin(pos0 + i, &mut cos[i * hd / 2..(i + 1) * hd / 2], &mut sin[i * hd / 2..(i + 1) * hd / 2]);
+        let s = scratch;
+        s.reserve(c, t);
+        // Batch buffers, row i for token i:
+        let x = &mut s.x[..t * h]; // (T, hidden) residual stream
+        let hb = &mut s.h[..t * h]; // (T, hidden) normalised input, or a block's output
+        let qb = &mut s.q[..t * c.q_dim()]; // (T, heads * head_dim)
+        let kb = &mut s.k[..t * c.kv_dim()]; // (T, kv_heads * head_dim)
+        let vb = &mut s.v[..t * c.kv_dim()];
+        let att = &mut s.att[..t * c.q_dim()]; // (T, heads * head_dim)
+        let gate = &mut s.gate[..t * c.intermediate_size]; // (T, intermediate): silu(gate) * up
+        let up = &mut s.up[..t * c.intermediate_size];
+        let (cos, sin) = (&mut s.cos[..t * hd / 2], &mut s.sin[..t * hd / 2]); // (T, head_dim / 2)
+        s.seqs.clear();
+        s.visible.clear();
+        for (i, b) in batch.iter().enumerate() {
+            self.embed_tokens.matrix().row_to_f32(b.token as usize, &mut x[i * h..(i + 1) * h]);
+            self.rope.cos_sin(b.pos, &mut cos[i * hd / 2..(i + 1) * hd / 2], &mut sin[i * hd / 2..(i + 1) * hd / 2]);
+            s.seqs.push(b.seq);
+            s.visible.push(b.pos + 1);
         }
 
         for (li, layer) in self.layers.iter().enumerate() {
+            let (a, m) = (&layer.self_attn, &layer.mlp);
             // Attention block.
             for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
                 rmsnorm(xr, &layer.input_layernorm, eps, hr);
             }
-            matmuls(
-                pool,
-                hb,
-                [
-                    (layer.q_proj.weight.matrix(), &mut qb[..]),
-                    (layer.k_proj.weight.matrix(), &mut kb[..]),
-                    (layer.v_proj.weight.matrix(), &mut vb[..]),
-                ],
-            );
-            for i in 0..t {
-                let (qr, kr, vr) =
-                    (&mut qb[i * q..(i + 1) * q], &mut kb[i * kv..(i + 1) * kv], &mut vb[i * kv..(i + 1) * kv]);
-                layer.q_proj.add_bias(qr);
-                layer.k_proj.add_bias(kr);
-                layer.v_proj.add_bias(vr);
-                let (cs, sn) = (&cos[i * hd / 2..(i + 1) * hd / 2], &sin[i * hd / 2..(i + 1) * hd / 2]);
-                rope_rotate_half(qr, hd, cs, sn);
-                rope_rotate_half(kr, hd, cs, sn);
-                s.cache.store(li, pos0 + i, kr, vr);
+            // q, k and v read the same input: one parallel pass.
+            if t == 1 {
+                matvecs(
+                    pool,
+                    hb,
+                    [
+                        (a.q_proj.matrix(), &mut qb[..]),
+                        (a.k_proj.matrix(), &mut kb[..]),
+                        (a.v_proj.matrix(), &mut vb[..]),
+                    ],
+                );
+            } else {
+                matmuls(
+                    pool,
+                    hb,
+                    [
+                        (a.q_proj.matrix(), &mut qb[..]),
+                        (a.k_proj.matrix(), &mut kb[..]),
+                        (a.v_proj.matrix(), &mut vb[..]),
+                    ],
+                );
             }
-            causal_attention(isa, shape, &s.cache, li, pos0, qb, att);
-            matmul(pool, layer.o_proj.weight.matrix(), att, hb);
+            a.q_proj.add_bias(qb);
+            a.k_proj.add_bias(kb);
+            a.v_proj.add_bias(vb);
+            let (qd, kvd) = (c.q_dim(), c.kv_dim());
+            for (i, b) in batch.iter().enumerate() {
+                let (cs, sn) = (&cos[i * hd / 2..(i + 1) * hd / 2], &sin[i * hd / 2..(i + 1) * hd / 2]);
+                let (q0, q1) = (i * qd, (i + 1) * qd);
+                let (k0, k1) = (i * kvd, (i + 1) * kvd);
+                rope_rotate_half(&mut qb[q0..q1], hd, cs, sn);
+                rope_rotate_half(&mut kb[k0..k1], hd, cs, sn);
+                caches[b.seq].store(li, b.pos, &kb[k0..k1], &vb[k0..k1]);
+            }
+            let shared: &[&mut KvCache] = &*caches;
+            let kv = |seq: usize| shared[seq].layer(li, shared[seq].capacity());
+            attention(pool, isa, shape, qb, &s.seqs, &s.visible, &kv, att);
+            self.project(&a.o_proj, att, hb);
             add_assign(x, hb);
 
-            // MLP block.
+            // MLP block: SwiGLU, gate and up in one pass.
             for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
                 rmsnorm(xr, &layer.post_attention_layernorm, eps, hr);
             }
-            matmul_swiglu(pool, layer.gate_proj.weight.matrix(), layer.up_proj.weight.matrix(), hb, up, gate);
-            matmul(pool, layer.down_proj.weight.matrix(), gate, hb);
+            if t == 1 {
+                matvec_swiglu(pool, m.gate_proj.matrix(), m.up_proj.matrix(), hb, gate);
+            } else {
+                matmul_swiglu(pool, m.gate_proj.matrix(), m.up_proj.matrix(), hb, up, gate);
+            }
+            self.project(&m.down_proj, gate, hb);
             add_assign(x, hb);
         }
-        s.cache.advance_by(t);
+        for b in batch {
+            caches[b.seq].advance();
+        }
+
+        // The LM head, for the tokens that want logits only.
+        let n = batch.iter().filter(|b| b.logits).count();
+        let normed = &mut s.h[..n * h]; // (n, hidden)
+        for (i, j) in batch.iter().enumerate().filter(|(_, b)| b.logits).map(|(j, _)| j).enumerate() {
+            rmsnorm(&x[j * h..(j + 1) * h], &self.norm, eps, &mut normed[i * h..(i + 1) * h]);
+        }
+        s.logits.resize(n * vocab, 0.0);
+        let logits = &mut s.logits[..n * vocab];
+        match n {
+            0 => {}
+            1 => matvec(self.lm_head.matrix(), normed, logits),
+            _ => matmul(pool, self.lm_head.matrix(), normed, logits),
+        }
+        Ok(&s.logits[..n * vocab])
+    }
+
+    /// `y (T, out) = x (T, in) @ Wᵀ + b`: a mat-vec for one row, a matrix
+    /// product for more.
+    fn project(&self, p: &Linear, x: &[f32], y: &mut [f32]) {
+        if x.len() == p.matrix().cols {
+            matvec(p.matrix(), x, y);
+        } else {
+            matmul(pool::global(), p.matrix(), x, y);
+        }
+        p.add_bias(y);
+    }
+
+    /// Checks that a batch's tokens are in the vocabulary, name caches that
+    /// exist, and continue them at consecutive positions within capacity.
+    fn check_batch(&self, batch: &[BatchToken], caches: &[&mut KvCache]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        for (i, b) in batch.iter().enumerate() {
+            if b.token as usize >= vocab {
+                return Err(Error::TokenOutOfRange { id: b.token, vocab });
+            }
+            let cache = caches.get(b.seq).ok_or_else(|| {
+                Error::InvalidBatch(format!(
+                    "token {i} names sequence {}, but {} caches were given",
+                    b.seq,
+                    caches.len()
+                ))
+            })?;
+            let before = batch[..i].iter().filter(|o| o.seq == b.seq).count();
+            let expected = cache.len() + before;
+            if b.pos >= cache.capacity() {
+                return Err(Error::ContextFull { context: cache.capacity() });
+            }
+            if b.pos != expected {
+                return Err(Error::InvalidBatch(format!(
+                    "token {i} of sequence {} is at position {}, but its cache continues at {expected}",
+                    b.seq, b.pos
+                )));
+            }
+        }
         Ok(())
     }
 }
 
-thread_local! {
-    /// Each thread's scratch for block attention, reused across calls.
-    static ATTN_SCRATCH: RefCell<AttnScratch> = RefCell::new(AttnScratch::default());
+/// One token of a batch for [`Qwen2::forward`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchToken {
+    pub token: u32,
+    /// Which of the caches passed with the batch this token extends.
+    pub seq: usize,
+    /// Its position in that sequence.
+    pub pos: usize,
+    /// Whether to compute its next-token logits.
+    pub logits: bool,
 }
 
-/// Buffers of one (KV head, query block) item of [`causal_attention`].
+/// The buffers of a forward pass, sized for the largest batch seen (about
+/// 45 KB per token for the 0.5B model) and reused; see [`Qwen2::forward`]
+/// for their shapes.
 #[derive(Default)]
-struct AttnScratch {
-    /// Queries of the group's heads `(n, head_dim)`, row `(i - i0) * group + g`.
-    q: Vec<f32>,
-    /// The KV head's keys `(len, head_dim)`, contiguous.
-    k: Vec<f32>,
-    /// The KV head's values transposed `(head_dim, len)`.
-    vt: Vec<f32>,
-    /// Scores, then probabilities `(n, len)`.
-    s: Vec<f32>,
-    /// Outputs `(n, head_dim)`.
-    o: Vec<f32>,
-}
-
-/// Queries per work item of [`causal_attention`].
-const ATTN_QUERY_BLOCK: usize = 32;
-
-/// Causal attention for a block of `T` queries at positions `pos0..pos0+T`
-/// (their keys and values already cached): query `i` sees positions
-/// `0..=pos0+i`.
-///
-/// Done as matrix products, since a block has many queries per key: for each
-/// KV head and block of queries, the grouped query heads' rows form one
-/// matrix, `S = Q Kᵀ` and `O = softmax(S) V` go through the same tiled
-/// `matmul` as the projections (keys and values gathered contiguous first).
-/// Items (KV head, query block) are spread over the pool.
-/// `q`, `out (T, heads * head_dim)`.
-fn causal_attention(
-    isa: Isa,
-    shape: AttnShape,
-    cache: &KvCache,
-    layer: usize,
-    pos0: usize,
-    q: &[f32],
-    out: &mut [f32],
-) {
-    let hd = shape.head_dim;
-    let width = shape.n_heads * hd;
-    let kv_dim = shape.kv_dim();
-    let group = shape.n_heads / shape.n_kv_heads;
-    let t = q.len() / width;
-    let blocks = t.div_ceil(ATTN_QUERY_BLOCK);
-    let items = shape.n_kv_heads * blocks;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let out = SharedMut::new(out);
-    pool::global().run(|th, n| {
-        ATTN_SCRATCH.with(|scratch| {
-            let sc = &mut *scratch.borrow_mut();
-            // Later blocks see more keys: interleave items across threads.
-            for item in (th..items).step_by(n) {
-                let (kvh, blk) = (item % shape.n_kv_heads, item / shape.n_kv_heads);
-                let (i0, i1) = (blk * ATTN_QUERY_BLOCK, ((blk + 1) * ATTN_QUERY_BLOCK).min(t));
-                let len = pos0 + i1; // keys the last query of the block sees
-                let rows = (i1 - i0) * group;
-                let (keys, values) = cache.layer(layer, len);
-                sc.q.clear();
-                for i in i0..i1 {
-                    for g in 0..group {
-                        let h = kvh * group + g;
-                        sc.q.extend_from_slice(&q[i * width + h * hd..i * width + (h + 1) * hd]);
-                    }
-                }
-                sc.k.clear();
-                for p in 0..len {
-                    sc.k.extend_from_slice(&keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]);
-                }
-                sc.vt.resize(hd * len, 0.0);
-                for p in 0..len {
-                    for d in 0..hd {
-                        sc.vt[d * len + p] = values[p * kv_dim + kvh * hd + d];
-                    }
-                }
-                sc.s.resize(rows * len, 0.0);
-                // S (rows, len) = Q (rows, hd) @ K (len, hd)ᵀ
-                matmul_with(isa, MatRef::new(Weights::F32(&sc.k), len, hd), &sc.q, &mut sc.s);
-                for (r, srow) in sc.s.chunks_exact_mut(len).enumerate() {
-                    let visible = pos0 + i0 + r / group + 1;
-                    let (seen, masked) = srow.split_at_mut(visible);
-                    seen.iter_mut().for_each(|v| *v *= scale);
-                    softmax(seen);
-                    masked.fill(0.0);
-                }
-                sc.o.resize(rows * hd, 0.0);
-                // O (rows, hd) = P (rows, len) @ Vᵀ (hd, len)ᵀ
-                matmul_with(isa, MatRef::new(Weights::F32(&sc.vt), hd, len), &sc.s, &mut sc.o);
-                for (r, orow) in sc.o.chunks_exact(hd).enumerate() {
-                    let (i, g) = (i0 + r / group, r % group);
-                    let o = i * width + (kvh * group + g) * hd;
-                    // SAFETY: each (query, head) slot belongs to exactly one item.
-                    unsafe { out.range(o, o + hd) }.copy_from_slice(orow);
-                }
-            }
-        });
-    });
-}
-
-/// Attention of one query over the cached positions, heads split across the
-/// pool when the context is long enough to pay for it.
-/// `q`, `out (heads * head_dim,)`, `keys`, `values (len, kv_dim)`, `scores (heads, context)`.
-fn attention(isa: Isa, shape: AttnShape, q: &[f32], keys: &[f32], values: &[f32], scores: &mut [f32], out: &mut [f32]) {
-    let len = keys.len() / shape.kv_dim();
-    let context = scores.len() / shape.n_heads;
-    let pool = pool::global();
-    let threads = if len < PARALLEL_ATTENTION_MIN_LEN { 1 } else { pool.threads().min(shape.n_heads) };
-    let hd = shape.head_dim;
-    let (out, scores) = (SharedMut::new(out), SharedMut::new(scores));
-    let work = |t: usize, n: usize| {
-        let (a, b) = pool::share(shape.n_heads, t, n, 1);
-        if a < b {
-            // SAFETY: threads take disjoint head ranges of `out` and `scores`.
-            let (o, s) = unsafe { (out.range(a * hd, b * hd), scores.range(a * context, (a + 1) * context)) };
-            attend_heads(isa, shape, a..b, q, keys, values, s, o);
-        }
-    };
-    match threads {
-        1 => work(0, 1),
-        _ => pool.run(work),
-    }
-}
-
-/// Everything that changes while a sequence runs: the KV cache and the
-/// scratch buffers of a forward pass (allocated once, reused every token).
-pub struct State {
-    pub cache: KvCache,
-    /// Residual stream `(hidden,)`.
-    x: Vec<f32>,
-    /// Normalised input of a block, or a block's output `(hidden,)`.
-    h: Vec<f32>,
-    /// `(heads * head_dim,)`
-    q: Vec<f32>,
-    /// `(kv_heads * head_dim,)`
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// Attention output `(heads * head_dim,)`.
-    att: Vec<f32>,
-    /// `silu(gate) * up`, `(intermediate,)`.
-    ffn: Vec<f32>,
-    /// Attention weights, one row per head `(heads, context)`.
-    scores: Vec<f32>,
-    /// RoPE tables of the current position `(head_dim / 2,)`.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-    /// `(vocab,)`
-    logits: Vec<f32>,
-    /// Buffers of [`Qwen2::forward_batch`], sized for the largest block seen.
-    batch: Batch,
-}
-
-/// Scratch of a block of `T` tokens; see [`Qwen2::forward_batch`] for shapes.
-#[derive(Default)]
-struct Batch {
+pub struct Scratch {
     tokens: usize,
     x: Vec<f32>,
     h: Vec<f32>,
@@ -605,9 +479,16 @@ struct Batch {
     up: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Per row: its sequence and how many positions it sees `(T,)`.
+    seqs: Vec<usize>,
+    visible: Vec<usize>,
+    /// `(n, vocab)` for the rows that want logits.
+    logits: Vec<f32>,
+    /// A batch being built by [`State`].
+    batch: Vec<BatchToken>,
 }
 
-impl Batch {
+impl Scratch {
     /// Makes room for `t` tokens (never shrinks).
     fn reserve(&mut self, c: &Config, t: usize) {
         if t <= self.tokens {
@@ -628,7 +509,43 @@ impl Batch {
     }
 }
 
+/// One sequence driven alone: its KV cache and a forward pass's buffers.
+pub struct State {
+    pub cache: KvCache,
+    scratch: Scratch,
+}
+
 impl State {
+    /// Runs `tokens` at the next positions of this sequence in one forward
+    /// pass (one token, or a prompt block). With `want_logits`, returns the
+    /// next-token logits `(vocab,)` after the last.
+    pub fn run<'s>(&'s mut self, model: &Qwen2, tokens: &[u32], want_logits: bool) -> Result<Option<&'s [f32]>> {
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let last = tokens.len() - 1;
+        self.run_scored(model, tokens, if want_logits { last } else { tokens.len() })
+            .map(|l| (!l.is_empty()).then_some(l))
+    }
+
+    /// Runs `tokens` like [`State::run`] and returns the logits after each of
+    /// its tokens `from..` as `((T - from), vocab)` (for perplexity: every
+    /// position's prediction, the LM head as one matrix product).
+    pub fn run_scored<'s>(&'s mut self, model: &Qwen2, tokens: &[u32], from: usize) -> Result<&'s [f32]> {
+        let pos0 = self.cache.len();
+        let mut batch = std::mem::take(&mut self.scratch.batch);
+        batch.clear();
+        batch.extend(tokens.iter().enumerate().map(|(i, &token)| BatchToken {
+            token,
+            seq: 0,
+            pos: pos0 + i,
+            logits: i >= from,
+        }));
+        let result = model.forward(&batch, &mut [&mut self.cache], &mut self.scratch).map(|l| l.len());
+        self.scratch.batch = batch;
+        Ok(&self.scratch.logits[..result?])
+    }
+
     /// Positions processed so far.
     pub fn len(&self) -> usize {
         self.cache.len()

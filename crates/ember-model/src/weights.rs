@@ -6,8 +6,7 @@
 //! never copied to f32, and pages are read from disk only when first touched.
 
 use crate::error::{Error, Result};
-use ember_kernels::quant::{self, BlockQ4, BlockQ8, Quant, QK};
-use ember_kernels::{bf16, f16, MatRef, Weights};
+use ember_kernels::{MatRef, WeightType, Weights};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
@@ -15,59 +14,22 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The element types ember computes with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DType {
-    F32,
-    Bf16,
-    F16,
-    /// ember's INT8 blocks ([`ember_kernels::quant::BlockQ8`]).
-    Q8,
-    /// ember's INT4 blocks ([`ember_kernels::quant::BlockQ4`]).
-    Q4,
-}
-
-impl DType {
-    /// Alignment the data needs, in bytes.
-    pub fn align(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::Bf16 | DType::F16 | DType::Q8 | DType::Q4 => 2,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "F32",
-            DType::Bf16 => "BF16",
-            DType::F16 => "F16",
-            DType::Q8 => "INT8",
-            DType::Q4 => "INT4",
-        }
-    }
-
-    /// The quantized format, if this is one.
-    pub fn quant(self) -> Option<Quant> {
-        match self {
-            DType::Q8 => Some(Quant::Int8),
-            DType::Q4 => Some(Quant::Int4),
-            _ => None,
-        }
-    }
-
-    fn of_quant(q: Quant) -> DType {
-        match q {
-            Quant::Int8 => DType::Q8,
-            Quant::Int4 => DType::Q4,
-        }
-    }
-}
-
 /// The safetensors metadata key that marks `name` as quantized by ember: its
-/// value is the format (`int8` / `int4`); the tensor is stored as U8 with
-/// shape `[rows, bytes per row]`.
+/// value is the weight type's name (`int8`, `int4`, any quantized row of
+/// [`WeightType`]); the tensor is stored as U8 with shape `[rows, bytes per row]`.
 pub fn quant_key(name: &str) -> String {
     format!("ember.quant.{name}")
+}
+
+/// The safetensors dtype a weight type is stored as: its own name for the
+/// float types (`F32`, `BF16`, `F16`), `U8` blocks (with [`quant_key`]
+/// metadata) for the quantized ones.
+pub fn safetensors_dtype(t: WeightType) -> String {
+    if t.is_quantized() {
+        "U8".into()
+    } else {
+        t.name().to_uppercase()
+    }
 }
 
 /// Bytes that live as long as any tensor borrowing them.
@@ -82,21 +44,16 @@ impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
             Storage::Mapped(m) => m,
-            Storage::Owned(v) => bytemuck_bytes(v),
+            Storage::Owned(v) => bytemuck::cast_slice(v),
         }
     }
-}
-
-fn bytemuck_bytes(v: &[u32]) -> &[u8] {
-    // SAFETY: u32 has no padding; any byte pattern is a valid u8.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) }
 }
 
 /// A tensor in its stored precision, backed by a mapped file.
 #[derive(Clone)]
 pub struct Tensor {
     pub name: String,
-    pub dtype: DType,
+    pub dtype: WeightType,
     pub shape: Vec<usize>,
     storage: Arc<Storage>,
     start: usize,
@@ -105,7 +62,7 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({} {} {:?})", self.name, self.dtype.name(), self.shape)
+        write!(f, "Tensor({} {} {:?})", self.name, self.dtype, self.shape)
     }
 }
 
@@ -121,15 +78,9 @@ impl Tensor {
 
     /// The data as kernel weights, borrowed (no copy).
     pub fn weights(&self) -> Weights<'_> {
-        let b = self.as_bytes();
-        // Alignment was checked (or fixed by copying) when the file was opened.
-        match self.dtype {
-            DType::F32 => Weights::F32(bytemuck::cast_slice::<u8, f32>(b)),
-            DType::Bf16 => Weights::Bf16(cast_u16::<bf16>(b)),
-            DType::F16 => Weights::F16(cast_u16::<f16>(b)),
-            DType::Q8 => Weights::Q8(quant::q8_from_bytes(b).expect("INT8 data checked at load")),
-            DType::Q4 => Weights::Q4(quant::q4_from_bytes(b).expect("INT4 data checked at load")),
-        }
+        // Length and alignment were checked (or fixed by copying) when the
+        // file was opened.
+        Weights::from_bytes(self.dtype, self.as_bytes()).expect("data checked at load")
     }
 
     /// A 2-D tensor as a matrix `(shape[0], shape[1])`.
@@ -140,21 +91,7 @@ impl Tensor {
 
     /// The values widened to f32 (for small tensors: norms, biases).
     pub fn to_f32_vec(&self) -> Vec<f32> {
-        match self.weights() {
-            Weights::F32(w) => w.to_vec(),
-            Weights::Bf16(w) => w.iter().map(|v| v.to_f32()).collect(),
-            Weights::F16(w) => w.iter().map(|v| v.to_f32()).collect(),
-            Weights::Q8(w) => {
-                let mut out = vec![0.0; w.len() * QK];
-                quant::dequantize_q8_row(w, &mut out);
-                out
-            }
-            Weights::Q4(w) => {
-                let mut out = vec![0.0; w.len() * QK];
-                quant::dequantize_q4_row(w, &mut out);
-                out
-            }
-        }
+        self.weights().to_f32_vec()
     }
 
     /// Bytes of data.
@@ -162,47 +99,34 @@ impl Tensor {
         self.len
     }
 
-    /// This matrix quantized to `q`, in memory owned by the new tensor
-    /// (rows split over the global pool). Panics if it is not a matrix with
-    /// rows a whole number of 32-weight blocks: callers check
+    /// This matrix rounded to the type `q`, in memory owned by the new
+    /// tensor (rows split over the global pool). Panics if it is not a matrix
+    /// with rows a whole number of `q`'s blocks: callers check
     /// [`Tensor::can_quantize`].
-    pub fn quantize(&self, q: Quant) -> Tensor {
+    pub fn quantize(&self, q: WeightType) -> Tensor {
         assert!(self.can_quantize(), "{} cannot be quantized", self.name);
         let m = self.matrix();
         let (rows, cols) = (m.rows, m.cols);
-        let row_bytes = cols / QK * q.block_bytes();
+        let row_bytes = cols / q.block_len() * q.block_bytes();
         let mut owned = vec![0u32; (rows * row_bytes).div_ceil(4)];
         {
             let bytes = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut owned)[..rows * row_bytes];
             let out = ember_kernels::pool::SharedMut::new(bytes);
             ember_kernels::pool::global().run(|t, n| {
                 let (a, b) = ember_kernels::pool::share(rows, t, n, 1);
-                // One row and one row of blocks per thread, reused.
+                // One row of f32 per thread, reused.
                 let mut row = vec![0.0f32; cols];
-                let (mut q8, mut q4) = match q {
-                    Quant::Int8 => (vec![BlockQ8::ZERO; cols / QK], Vec::new()),
-                    Quant::Int4 => (Vec::new(), vec![BlockQ4::ZERO; cols / QK]),
-                };
                 for r in a..b {
                     m.row_to_f32(r, &mut row);
                     // SAFETY: threads take disjoint rows.
                     let dst = unsafe { out.range(r * row_bytes, (r + 1) * row_bytes) };
-                    match q {
-                        Quant::Int8 => {
-                            quant::quantize_q8_row(&row, &mut q8);
-                            dst.copy_from_slice(quant::q8_bytes(&q8));
-                        }
-                        Quant::Int4 => {
-                            quant::quantize_q4_row(&row, &mut q4);
-                            dst.copy_from_slice(quant::q4_bytes(&q4));
-                        }
-                    }
+                    q.quantize_row(&row, dst);
                 }
             });
         }
         Tensor {
             name: self.name.clone(),
-            dtype: DType::of_quant(q),
+            dtype: q,
             shape: self.shape.clone(),
             storage: Arc::new(Storage::Owned(owned)),
             start: 0,
@@ -213,14 +137,14 @@ impl Tensor {
     /// A quantized matrix widened back to F32 (owned): the exact values the
     /// quantized kernels compute with. Other tensors are returned as they are.
     pub fn dequantize(&self) -> Tensor {
-        if self.dtype.quant().is_none() {
+        if !self.dtype.is_quantized() {
             return self.clone();
         }
         let values = self.to_f32_vec();
         let owned: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
         Tensor {
             name: self.name.clone(),
-            dtype: DType::F32,
+            dtype: WeightType::F32,
             shape: self.shape.clone(),
             len: owned.len() * 4,
             storage: Arc::new(Storage::Owned(owned)),
@@ -229,9 +153,10 @@ impl Tensor {
     }
 
     /// Whether [`Tensor::quantize`] applies: a float matrix whose rows are
-    /// whole 32-weight blocks.
+    /// whole blocks of every quantized type.
     pub fn can_quantize(&self) -> bool {
-        self.shape.len() == 2 && self.shape[1].is_multiple_of(QK) && self.dtype.quant().is_none()
+        let block = WeightType::ALL.iter().filter(|t| t.is_quantized()).map(|t| t.block_len()).max().unwrap_or(1);
+        self.shape.len() == 2 && self.shape[1].is_multiple_of(block) && !self.dtype.is_quantized()
     }
 
     /// Whether two tensors are the same bytes (a tied LM head).
@@ -240,17 +165,10 @@ impl Tensor {
     }
 }
 
-fn cast_u16<T: Copy>(b: &[u8]) -> &[T] {
-    assert_eq!(std::mem::size_of::<T>(), 2);
-    let u: &[u16] = bytemuck::cast_slice(b);
-    // SAFETY: bf16 and f16 are `#[repr(transparent)]` over u16.
-    unsafe { std::slice::from_raw_parts(u.as_ptr() as *const T, u.len()) }
-}
-
 struct Entry {
     file: usize,
     /// The stored dtype, or its name when ember cannot compute with it.
-    dtype: std::result::Result<DType, String>,
+    dtype: std::result::Result<WeightType, String>,
     shape: Vec<usize>,
     start: usize,
     len: usize,
@@ -320,21 +238,24 @@ impl TensorStore {
                 let mut shape = info.shape.clone();
                 let dtype = match (info.dtype, extra.get(&quant_key(&name))) {
                     (Dtype::U8, Some(format)) => {
-                        let q = Quant::from_name(format)
+                        let q = WeightType::from_name(format)
+                            .filter(|q| q.is_quantized())
                             .ok_or_else(|| bad(format!("tensor `{name}`: unknown ember format `{format}`")))?;
                         // Stored as [rows, bytes per row]; the logical shape
                         // is [rows, weights per row].
                         if shape.len() != 2 || shape[1] % q.block_bytes() != 0 {
                             return Err(bad(format!("tensor `{name}`: {format} data of shape {shape:?}")));
                         }
-                        shape[1] = shape[1] / q.block_bytes() * QK;
-                        Ok(DType::of_quant(q))
+                        shape[1] = shape[1] / q.block_bytes() * q.block_len();
+                        Ok(q)
                     }
-                    (Dtype::F32, None) => Ok(DType::F32),
-                    (Dtype::BF16, None) => Ok(DType::Bf16),
-                    (Dtype::F16, None) => Ok(DType::F16),
-                    // Only an error if the model asks for this tensor.
-                    (other, _) => Err(format!("{other:?}")),
+                    // Float types carry their safetensors name (F32, BF16,
+                    // F16); anything else is only an error if the model asks
+                    // for this tensor.
+                    (other, _) => {
+                        let name = format!("{other:?}");
+                        WeightType::from_name(&name).filter(|t| safetensors_dtype(*t) == name).ok_or(name)
+                    }
                 };
                 let (a, b) = info.data_offsets;
                 let start = data_start + a;
@@ -428,7 +349,7 @@ fn describe(e: &safetensors::SafeTensorError) -> String {
 /// under a temporary name, then renamed.
 pub fn write_safetensors(
     path: &Path,
-    tensors: &[(String, &str, Vec<usize>, &[u8])],
+    tensors: &[(String, String, Vec<usize>, &[u8])],
     metadata: &std::collections::BTreeMap<String, String>,
 ) -> Result<()> {
     use std::io::Write;

@@ -6,24 +6,24 @@
 mod common;
 
 use common::{fixtures, reference, Scratch};
-use ember_model::{eval, load_qwen2, DType, Quant, Qwen2, TensorStore};
+use ember_model::{eval, load_qwen2, Qwen2, TensorStore, WeightType};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 
 /// The last position's logits, all of it as matrix products (the LM head
-/// too, which `forward_batch` runs as a mat-vec).
+/// too: scoring the last two positions makes it one, where the last alone
+/// would run as a mat-vec on int8 activations).
 fn logits(model: &Qwen2, ids: &[u32]) -> Vec<f32> {
     let mut state = model.new_state(64);
-    let mut out = vec![0.0; model.config.vocab_size];
-    model.forward_batch_logits(&mut state, ids, ids.len() - 1, &mut out).unwrap();
-    out
+    let v = model.config.vocab_size;
+    state.run_scored(model, ids, ids.len() - 2).unwrap()[v..].to_vec()
 }
 
 fn decode_logits(model: &Qwen2, ids: &[u32]) -> Vec<f32> {
     let mut state = model.new_state(64);
     let mut out = Vec::new();
     for &id in ids {
-        out = model.forward(&mut state, id, true).unwrap().unwrap().to_vec();
+        out = state.run(model, &[id], true).unwrap().unwrap().to_vec();
     }
     out
 }
@@ -38,14 +38,20 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 fn dequantized(m: &Qwen2, dir: &std::path::Path) -> Qwen2 {
     let mut f = load_qwen2(dir).unwrap();
     for (a, b) in f.layers.iter_mut().zip(&m.layers) {
+        let (src, dst) = (&b.self_attn, &mut a.self_attn);
         for (x, y) in [
-            (&mut a.q_proj, &b.q_proj),
-            (&mut a.k_proj, &b.k_proj),
-            (&mut a.v_proj, &b.v_proj),
-            (&mut a.o_proj, &b.o_proj),
-            (&mut a.gate_proj, &b.gate_proj),
-            (&mut a.up_proj, &b.up_proj),
-            (&mut a.down_proj, &b.down_proj),
+            (&mut dst.q_proj, &src.q_proj),
+            (&mut dst.k_proj, &src.k_proj),
+            (&mut dst.v_proj, &src.v_proj),
+            (&mut dst.o_proj, &src.o_proj),
+        ] {
+            x.weight = y.weight.dequantize();
+        }
+        let (src, dst) = (&b.mlp, &mut a.mlp);
+        for (x, y) in [
+            (&mut dst.gate_proj, &src.gate_proj),
+            (&mut dst.up_proj, &src.up_proj),
+            (&mut dst.down_proj, &src.down_proj),
         ] {
             x.weight = y.weight.dequantize();
         }
@@ -61,10 +67,10 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
         let r = reference(variant);
         let dir = fixtures().join(variant);
         let float = load_qwen2(&dir).unwrap();
-        for q in [Quant::Int8, Quant::Int4] {
+        for q in [WeightType::Int8, WeightType::Int4] {
             let mut m = load_qwen2(&dir).unwrap();
-            m.quantize(q);
-            assert_eq!(m.layers[0].q_proj.weight.dtype.quant(), Some(q), "{variant}");
+            m.quantize(&q.into());
+            assert_eq!(m.layers[0].self_attn.q_proj.weight.dtype, q, "{variant}");
             let want = logits(&dequantized(&m, &dir), &r.ids);
             // Batched prefill computes with the dequantized weights (as two
             // BF16 terms on AMX: 2^-16 of each weight): f32-class agreement.
@@ -86,17 +92,23 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
 #[test]
 fn int4_keeps_the_chosen_matrices_at_int8() {
     let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
-    m.quantize(Quant::Int4);
+    m.quantize(&WeightType::Int4.into());
     let l = &m.layers[0];
-    assert_eq!(l.q_proj.weight.dtype, DType::Q4);
-    assert_eq!(l.gate_proj.weight.dtype, DType::Q4);
-    assert_eq!(l.k_proj.weight.dtype, DType::Q8);
-    assert_eq!(l.v_proj.weight.dtype, DType::Q8);
-    assert_eq!(l.down_proj.weight.dtype, DType::Q8);
-    assert_eq!(l.o_proj.weight.dtype, DType::Q8);
-    assert_eq!(l.up_proj.weight.dtype, DType::Q4);
-    assert_eq!(m.embed_tokens.dtype, DType::Q8);
-    assert_eq!(m.lm_head.dtype, DType::Q8);
+    let (a, f) = (&l.self_attn, &l.mlp);
+    assert_eq!(a.q_proj.weight.dtype, WeightType::Int4);
+    assert_eq!(f.gate_proj.weight.dtype, WeightType::Int4);
+    assert_eq!(a.k_proj.weight.dtype, WeightType::Int8);
+    assert_eq!(a.v_proj.weight.dtype, WeightType::Int8);
+    assert_eq!(f.down_proj.weight.dtype, WeightType::Int8);
+    assert_eq!(a.o_proj.weight.dtype, WeightType::Int8);
+    assert_eq!(f.up_proj.weight.dtype, WeightType::Int4);
+    assert_eq!(m.embed_tokens.dtype, WeightType::Int8);
+    assert_eq!(m.lm_head.dtype, WeightType::Int8);
+    // A policy keeping nothing at INT8 rounds every matrix to INT4.
+    let mut all4 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    all4.quantize(&ember_model::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] });
+    assert_eq!(all4.layers[0].mlp.down_proj.weight.dtype, WeightType::Int4);
+    assert_eq!(all4.lm_head.dtype, WeightType::Int4);
 }
 
 #[test]
@@ -104,19 +116,19 @@ fn a_written_quantized_folder_loads_back_identically() {
     for variant in ["tiny-tied", "tiny-untied"] {
         let r = reference(variant);
         let src = fixtures().join(variant);
-        for q in [Quant::Int8, Quant::Int4] {
+        for q in [WeightType::Int8, WeightType::Int4] {
             let mut m = load_qwen2(&src).unwrap();
-            m.quantize(q);
+            m.quantize(&q.into());
             let out = Scratch::new("quantized");
             let store = TensorStore::open_dir(&src).unwrap();
             ember_model::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
             let back = load_qwen2(out.path()).unwrap();
-            assert_eq!(back.layers[1].up_proj.weight.dtype, m.layers[1].up_proj.weight.dtype);
-            assert_eq!(back.layers[1].up_proj.weight.as_bytes(), m.layers[1].up_proj.weight.as_bytes());
+            assert_eq!(back.layers[1].mlp.up_proj.weight.dtype, m.layers[1].mlp.up_proj.weight.dtype);
+            assert_eq!(back.layers[1].mlp.up_proj.weight.as_bytes(), m.layers[1].mlp.up_proj.weight.as_bytes());
             assert_eq!(logits(&back, &r.ids), logits(&m, &r.ids), "{variant} {}", q.name());
             // Quantizing an already quantized folder changes nothing.
             let mut again = load_qwen2(out.path()).unwrap();
-            again.quantize(q);
+            again.quantize(&q.into());
             assert_eq!(logits(&again, &r.ids), logits(&m, &r.ids));
         }
     }
@@ -143,7 +155,7 @@ fn edit_header(file: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)
 fn bad_quantized_files_are_clear_errors() {
     let src = fixtures().join("tiny-tied");
     let mut m = load_qwen2(&src).unwrap();
-    m.quantize(Quant::Int8);
+    m.quantize(&WeightType::Int8.into());
     let name = "model.layers.0.mlp.up_proj.weight";
     for (what, edit, needle) in [
         (
@@ -179,9 +191,8 @@ fn every_position_logits_match_transformers() {
         let model = load_qwen2(&fixtures().join(variant)).unwrap();
         let v = model.config.vocab_size;
         let from = 3;
-        let mut out = vec![0.0; (r.ids.len() - from) * v];
         let mut state = model.new_state(64);
-        model.forward_batch_logits(&mut state, &r.ids, from, &mut out).unwrap();
+        let out = state.run_scored(&model, &r.ids, from).unwrap();
         for (i, want) in r.logits[from..].iter().enumerate() {
             for (a, b) in out[i * v..(i + 1) * v].iter().zip(want) {
                 assert!((a - b).abs() <= 1e-4, "{variant} position {}: {a} vs {b}", from + i);
@@ -201,7 +212,7 @@ fn evaluation_against_itself_and_a_quantized_copy() {
     assert!(own.ppl.is_finite() && own.ppl > 1.0);
     assert_eq!((own.kld_mean, own.top1), (0.0, 1.0));
     let mut q = load_qwen2(&dir).unwrap();
-    q.quantize(Quant::Int4);
+    q.quantize(&WeightType::Int4.into());
     let vs = eval::evaluate(&q, Some(&base), &tokens, 16, |_, _| {}).unwrap();
     assert!((vs.base_ppl - own.ppl).abs() < 1e-9 * own.ppl);
     assert!(vs.kld_mean > 0.0 && vs.kld_p99 >= vs.kld_mean && vs.top1 <= 1.0);

@@ -23,7 +23,7 @@ fn logits_match_transformers_at_every_position() {
         let mut state = model.new_state(64);
         let mut worst = 0.0f32;
         for (pos, (&id, want)) in r.ids.iter().zip(&r.logits).enumerate() {
-            let got = model.forward(&mut state, id, true).unwrap().unwrap();
+            let got = state.run(&model, &[id], true).unwrap().unwrap();
             assert_eq!(got.len(), want.len());
             for (v, (a, b)) in got.iter().zip(want).enumerate() {
                 let d = (a - b).abs();
@@ -120,14 +120,14 @@ fn batched_prefill_equals_token_by_token() {
         let mut one = model.new_state(64);
         let mut want = Vec::new();
         for &id in &r.ids {
-            want = model.forward(&mut one, id, true).unwrap().unwrap().to_vec();
+            want = one.run(&model, &[id], true).unwrap().unwrap().to_vec();
         }
         // Blocks of several sizes, ragged last block included.
         for chunk in [2, 3, 7, 20] {
             let mut state = model.new_state(64);
             let mut got = Vec::new();
             for block in r.ids.chunks(chunk) {
-                if let Some(l) = model.forward_batch(&mut state, block, true).unwrap() {
+                if let Some(l) = state.run(&model, block, true).unwrap() {
                     got = l.to_vec();
                 }
             }
@@ -142,9 +142,9 @@ fn batched_prefill_equals_token_by_token() {
                 assert!((a - b).abs() <= TOLERANCE, "{variant} chunk {chunk}: {a} vs transformers {b}");
             }
             // The cache a block leaves behind serves the next token.
-            let next = model.forward(&mut state, 7, true).unwrap().unwrap().to_vec();
-            let next_one = model.forward(&mut one, 7, true).unwrap().unwrap().to_vec();
-            let _ = model.forward_batch(&mut one, &[], false);
+            let next = state.run(&model, &[7], true).unwrap().unwrap().to_vec();
+            let next_one = one.run(&model, &[7], true).unwrap().unwrap().to_vec();
+            let _ = one.run(&model, &[], false);
             for (a, b) in next.iter().zip(&next_one) {
                 assert!((a - b).abs() <= 1e-5 * scale, "{variant} chunk {chunk}: next token {a} vs {b}");
             }

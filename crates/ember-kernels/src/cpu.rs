@@ -1,0 +1,314 @@
+//! The CPU-feature table: what this processor can run, detected once, and the
+//! kernel tier chosen from it.
+//!
+//! A plain `cargo build --release` targets baseline x86-64, so fast kernels
+//! are compiled with `#[target_feature]` and chosen at run time:
+//!
+//! 1. [`Features`] are detected once per process (CPUID through
+//!    `is_x86_feature_detected!`; AMX also asks Linux for the tile state).
+//! 2. `EMBER_ISA` masks that set: a tier name (`scalar`, `avx2`, `avx512`,
+//!    `amx`) keeps only that tier's features, a comma-separated list of
+//!    feature names (`avx2,fma,f16c`) keeps those. The test suite runs once per
+//!    tier this way.
+//! 3. The best [`Tier`] whose [`Tier::requires`] the masked set covers becomes
+//!    the active [`Isa`].
+//!
+//! An [`Isa`] can only be obtained from that detection ([`Isa::active`],
+//! [`Isa::get`], [`Isa::supported`], [`Isa::scalar`]), never built from a tier
+//! name, so safe code cannot run an instruction the CPU lacks:
+//!
+//! ```compile_fail
+//! use ember_kernels::cpu::{Isa, Tier};
+//! let isa = Isa { tier: Tier::Amx }; // private: only detection makes one
+//! ```
+//!
+//! Each kernel table (a weight format's row in [`crate::formats`], the
+//! prefill micro-kernels in [`crate::matmul`], the vector kernels in
+//! [`crate::dot`]) matches on [`Tier`] exhaustively, without a wildcard: a new
+//! tier does not compile until every table says which kernels it runs.
+
+use std::sync::OnceLock;
+
+/// A set of CPU features, as bits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Features(u32);
+
+impl Features {
+    pub const NONE: Features = Features(0);
+    pub const AVX2: Features = Features(1 << 0);
+    pub const FMA: Features = Features(1 << 1);
+    pub const F16C: Features = Features(1 << 2);
+    pub const AVX512F: Features = Features(1 << 3);
+    pub const AVX512BW: Features = Features(1 << 4);
+    pub const AVX512VL: Features = Features(1 << 5);
+    pub const AVX512_BF16: Features = Features(1 << 6);
+    pub const AVX512_VNNI: Features = Features(1 << 7);
+    pub const AVX_VNNI: Features = Features(1 << 8);
+    pub const AMX_TILE: Features = Features(1 << 9);
+    pub const AMX_BF16: Features = Features(1 << 10);
+    pub const AMX_INT8: Features = Features(1 << 11);
+
+    /// Every feature with its `EMBER_ISA` name.
+    pub const NAMED: [(&'static str, Features); 12] = [
+        ("avx2", Features::AVX2),
+        ("fma", Features::FMA),
+        ("f16c", Features::F16C),
+        ("avx512f", Features::AVX512F),
+        ("avx512bw", Features::AVX512BW),
+        ("avx512vl", Features::AVX512VL),
+        ("avx512bf16", Features::AVX512_BF16),
+        ("avx512vnni", Features::AVX512_VNNI),
+        ("avxvnni", Features::AVX_VNNI),
+        ("amx-tile", Features::AMX_TILE),
+        ("amx-bf16", Features::AMX_BF16),
+        ("amx-int8", Features::AMX_INT8),
+    ];
+
+    pub const fn union(self, other: Features) -> Features {
+        Features(self.0 | other.0)
+    }
+
+    pub const fn intersection(self, other: Features) -> Features {
+        Features(self.0 & other.0)
+    }
+
+    /// Whether every feature of `other` is in `self`.
+    pub const fn contains(self, other: Features) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// What this processor has (and, for AMX, what the OS granted). Detected
+    /// once per process.
+    pub fn detected() -> Features {
+        static DETECTED: OnceLock<Features> = OnceLock::new();
+        *DETECTED.get_or_init(detect)
+    }
+
+    /// Parses an `EMBER_ISA` value: a tier name (its required features) or a
+    /// comma-separated list of feature names.
+    pub fn parse_mask(s: &str) -> Option<Features> {
+        let s = s.trim();
+        if let Some(tier) = Tier::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s)) {
+            return Some(tier.requires());
+        }
+        s.split(',').try_fold(Features::NONE, |acc, name| {
+            let name = name.trim();
+            Features::NAMED.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|&(_, f)| acc.union(f))
+        })
+    }
+}
+
+impl std::ops::BitOr for Features {
+    type Output = Features;
+    fn bitor(self, other: Features) -> Features {
+        self.union(other)
+    }
+}
+
+impl std::fmt::Debug for Features {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = Features::NAMED.iter().filter(|(_, v)| self.contains(*v)).map(|(n, _)| *n).collect();
+        write!(f, "{{{}}}", names.join(","))
+    }
+}
+
+/// A tier of kernels: a named set of features that kernels are written for.
+/// Higher tiers require the features of the lower ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    /// Portable Rust; the specification every other tier is tested against.
+    Scalar,
+    /// AVX2, FMA and F16C (Haswell and later, Zen and later).
+    Avx2,
+    /// AVX2 plus AVX-512F (Skylake-SP and later, Zen 4 and later). Used where
+    /// arithmetic bounds the work (prefill's matrix products); memory-bound
+    /// kernels run their AVX2 versions, which already saturate the bus.
+    Avx512,
+    /// AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later), granted by
+    /// the OS. Used for prefill's products ([`crate::amx`]).
+    Amx,
+}
+
+impl Tier {
+    /// All tiers, lowest first.
+    pub const ALL: [Tier; 4] = [Tier::Scalar, Tier::Avx2, Tier::Avx512, Tier::Amx];
+
+    /// The name used by `EMBER_ISA` and printed by `ember bench`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Scalar => "scalar",
+            Tier::Avx2 => "avx2",
+            Tier::Avx512 => "avx512",
+            Tier::Amx => "amx",
+        }
+    }
+
+    /// The features this tier's kernels use.
+    pub const fn requires(self) -> Features {
+        const AVX2: Features = Features::AVX2.union(Features::FMA).union(Features::F16C);
+        const AVX512: Features = AVX2.union(Features::AVX512F);
+        match self {
+            Tier::Scalar => Features::NONE,
+            Tier::Avx2 => AVX2,
+            Tier::Avx512 => AVX512,
+            Tier::Amx => AVX512.union(Features::AMX_TILE).union(Features::AMX_BF16),
+        }
+    }
+
+    /// The best tier a feature set runs.
+    fn best_for(features: Features) -> Tier {
+        Tier::ALL.into_iter().rev().find(|t| features.contains(t.requires())).unwrap_or(Tier::Scalar)
+    }
+}
+
+/// Permission to run a tier's kernels: proof that this CPU has the tier's
+/// features. Made only by detection, so it can be passed to safe functions.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Isa {
+    tier: Tier,
+}
+
+impl std::fmt::Debug for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.tier.name())
+    }
+}
+
+impl Isa {
+    /// The portable tier, which every CPU runs.
+    pub const fn scalar() -> Isa {
+        Isa { tier: Tier::Scalar }
+    }
+
+    /// `tier`, if this CPU has its features (ignoring `EMBER_ISA`).
+    pub fn get(tier: Tier) -> Option<Isa> {
+        Features::detected().contains(tier.requires()).then_some(Isa { tier })
+    }
+
+    /// Every tier this CPU runs, lowest first (ignoring `EMBER_ISA`).
+    pub fn supported() -> Vec<Isa> {
+        Tier::ALL.into_iter().filter_map(Isa::get).collect()
+    }
+
+    /// The features kernels may use: those detected, masked by `EMBER_ISA`.
+    /// Decided once per process.
+    pub fn features() -> Features {
+        static MASKED: OnceLock<Features> = OnceLock::new();
+        *MASKED.get_or_init(|| {
+            let mask = std::env::var("EMBER_ISA").ok().and_then(|v| Features::parse_mask(&v));
+            let detected = Features::detected();
+            mask.map_or(detected, |m| detected.intersection(m))
+        })
+    }
+
+    /// The tier the dispatching kernels use: the best one [`Isa::features`]
+    /// covers. Decided once per process.
+    pub fn active() -> Isa {
+        static ACTIVE: OnceLock<Isa> = OnceLock::new();
+        *ACTIVE.get_or_init(|| Isa { tier: Tier::best_for(Isa::features()) })
+    }
+
+    pub fn tier(self) -> Tier {
+        self.tier
+    }
+
+    pub fn name(self) -> &'static str {
+        self.tier.name()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Features {
+    let mut f = Features::NONE;
+    macro_rules! check {
+        ($($name:tt => $flag:ident),*) => {
+            $(if is_x86_feature_detected!($name) {
+                f = f | Features::$flag;
+            })*
+        };
+    }
+    check!("avx2" => AVX2, "fma" => FMA, "f16c" => F16C, "avx512f" => AVX512F, "avx512bw" => AVX512BW,
+           "avx512vl" => AVX512VL, "avx512bf16" => AVX512_BF16, "avx512vnni" => AVX512_VNNI, "avxvnni" => AVX_VNNI);
+    f | detect_amx()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Features {
+    Features::NONE
+}
+
+/// AMX is found with CPUID like the rest, but its 8 KB of tile state must also
+/// be enabled by the OS (XCR0) and granted to this process (Linux's
+/// `ARCH_REQ_XCOMP_PERM`, once per process).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect_amx() -> Features {
+    use std::arch::x86_64::{__cpuid_count, _xgetbv};
+    let edx = __cpuid_count(7, 0).edx;
+    let bit = |b: u32, f: Features| if edx & (1 << b) != 0 { f } else { Features::NONE };
+    let amx = bit(22, Features::AMX_BF16) | bit(24, Features::AMX_TILE) | bit(25, Features::AMX_INT8);
+    let osxsave = __cpuid_count(1, 0).ecx & (1 << 27) != 0;
+    if !amx.contains(Features::AMX_TILE) || !osxsave {
+        return Features::NONE;
+    }
+    // SAFETY: OSXSAVE is set, so XGETBV is enabled.
+    let xcr0 = unsafe { _xgetbv(0) };
+    // XTILECFG (bit 17) and XTILEDATA (bit 18) must be OS-enabled.
+    if xcr0 & (0b11 << 17) != 0b11 << 17 {
+        return Features::NONE;
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain system call with integer arguments.
+    let granted = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 };
+    if granted {
+        amx
+    } else {
+        Features::NONE
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
+fn detect_amx() -> Features {
+    Features::NONE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_parse() {
+        assert_eq!(Features::parse_mask("AVX2"), Some(Tier::Avx2.requires()));
+        assert_eq!(Features::parse_mask("scalar"), Some(Features::NONE));
+        assert_eq!(Features::parse_mask("avx2, fma"), Some(Features::AVX2 | Features::FMA));
+        assert_eq!(Features::parse_mask("neon"), None);
+        for t in Tier::ALL {
+            assert_eq!(Features::parse_mask(t.name()), Some(t.requires()));
+        }
+    }
+
+    #[test]
+    fn tiers_nest() {
+        for w in Tier::ALL.windows(2) {
+            assert!(w[1].requires().contains(w[0].requires()) && w[1].requires() != w[0].requires());
+        }
+        assert_eq!(Tier::best_for(Features::NONE), Tier::Scalar);
+        // AVX-512 without F16C is not the AVX-512 tier (it needs the AVX2 one).
+        assert_eq!(Tier::best_for(Features::AVX512F | Features::AVX2 | Features::FMA), Tier::Scalar);
+        assert_eq!(Tier::best_for(Tier::Amx.requires()), Tier::Amx);
+    }
+
+    #[test]
+    fn a_tier_the_cpu_lacks_cannot_be_had() {
+        let detected = Features::detected();
+        for tier in Tier::ALL {
+            let has = detected.contains(tier.requires());
+            assert_eq!(Isa::get(tier).is_some(), has, "{tier:?}");
+            assert_eq!(Isa::supported().iter().any(|i| i.tier() == tier), has);
+        }
+        // The active tier never exceeds what was detected, whatever EMBER_ISA says.
+        assert!(detected.contains(Isa::active().tier().requires()));
+        assert!(detected.contains(Isa::features()));
+        assert!(Isa::supported().contains(&Isa::scalar()));
+    }
+}

@@ -1,0 +1,77 @@
+//! Int8 activations: the input of the INT8/INT4 rows' dot products, made once
+//! per mat-vec and read by every row and thread.
+
+use crate::cpu::{Isa, Tier};
+
+/// Activations per [`BlockA8`].
+pub const QK_A8: usize = 32;
+
+/// 32 activations as `d · qs[j]`, with `sum = Σ qs[j]` (INT4's offset of 8
+/// is paid with it: `Σ (n − 8)·q = Σ n·q − 8·Σ q`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockA8 {
+    pub d: f32,
+    pub sum: i32,
+    pub qs: [i8; QK_A8],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockA8>() == 40);
+
+impl BlockA8 {
+    pub const ZERO: BlockA8 = BlockA8 { d: 0.0, sum: 0, qs: [0; QK_A8] };
+}
+
+/// Quantizes activations `x (32 n,)` to `dst (n,)` with `isa`'s kernel (bit
+/// for bit the reference).
+pub fn quantize_activations(isa: Isa, x: &[f32], dst: &mut [BlockA8]) {
+    assert_eq!(x.len(), dst.len() * QK_A8, "activation length");
+    match isa.tier() {
+        Tier::Scalar => quantize_activations_scalar(x, dst),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier's features are present (`isa` is the proof).
+        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unsafe { super::int_avx2::quantize_activations(x, dst) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+    }
+}
+
+/// The reference for [`quantize_activations`]: `d = max|x| / 127`, codes
+/// `x · 127 / max|x|` rounded half away from zero.
+pub fn quantize_activations_scalar(x: &[f32], dst: &mut [BlockA8]) {
+    assert_eq!(x.len(), dst.len() * QK_A8, "activation length");
+    for (v, b) in x.chunks_exact(QK_A8).zip(dst.iter_mut()) {
+        let amax = v.iter().fold(0.0f32, |m, a| m.max(a.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0;
+        for (q, &a) in b.qs.iter_mut().zip(v) {
+            // Half away from zero, computed as the SIMD twin does.
+            let s = a * inv;
+            *q = (s + 0.5f32.copysign(s)) as i32 as i8;
+            sum += *q as i32;
+        }
+        b.d = d;
+        b.sum = sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::synth;
+
+    #[test]
+    fn every_tier_quantizes_bit_for_bit() {
+        for n in [32, 96, 896, 4864] {
+            let x = synth(n, 7);
+            let mut want = vec![BlockA8::ZERO; n / QK_A8];
+            quantize_activations_scalar(&x, &mut want);
+            for isa in Isa::supported() {
+                let mut got = vec![BlockA8::ZERO; n / QK_A8];
+                quantize_activations(isa, &x, &mut got);
+                assert_eq!(got, want, "{isa:?} n={n}");
+            }
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! The INT8 row: symmetric blocks of 32 weights with one F16 scale,
+//! `d = max|w| / 127`, read by int8 activations ([`BlockA8`]).
+//!
+//! | block | bytes / 32 weights | value of weight j |
+//! |---|---|---|
+//! | [`BlockQ8`] `d: f16, qs: [i8; 32]` | 34 | `d · qs[j]`, `qs` in −127..=127 |
+
+use super::act::{BlockA8, QK_A8};
+use super::{reference_kernels, Format, Kernels, WeightType, Weights};
+use crate::cpu::Tier;
+use half::f16;
+
+/// Weights per block.
+pub const QK8: usize = 32;
+const _: () = assert!(QK8 == QK_A8, "INT8 blocks pair with activation blocks of the same length");
+
+/// 32 weights as `d · qs[j]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockQ8 {
+    pub d: f16,
+    pub qs: [i8; QK8],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == 34 && std::mem::align_of::<BlockQ8>() == 2);
+
+impl BlockQ8 {
+    pub const ZERO: BlockQ8 = BlockQ8 { d: f16::ZERO, qs: [0; QK8] };
+}
+
+/// The INT8 row of the format table.
+pub struct Int8;
+
+impl Format for Int8 {
+    const TYPE: WeightType = WeightType::Int8;
+    const NAME: &'static str = "int8";
+    type Block = BlockQ8;
+    const BLOCK_LEN: usize = QK8;
+    type Act = BlockA8;
+    const ZERO: BlockQ8 = BlockQ8::ZERO;
+    const QUANTIZED: bool = true;
+
+    fn wrap(data: &[BlockQ8]) -> Weights<'_> {
+        Weights::Int8(data)
+    }
+
+    /// `d = max|w| / 127` rounded to F16, codes rounded to nearest.
+    fn quantize_row(src: &[f32], dst: &mut [BlockQ8]) {
+        assert_eq!(src.len(), dst.len() * QK8, "row length");
+        for (x, b) in src.chunks_exact(QK8).zip(dst.iter_mut()) {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let df = d.to_f32();
+            let inv = if df > 0.0 { 1.0 / df } else { 0.0 };
+            b.d = d;
+            for (q, &v) in b.qs.iter_mut().zip(x) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+        }
+    }
+
+    fn dequantize_reference(src: &[BlockQ8], dst: &mut [f32]) {
+        assert_eq!(dst.len(), src.len() * QK8, "row length");
+        for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK8)) {
+            let d = b.d.to_f32();
+            for (o, &q) in y.iter_mut().zip(&b.qs) {
+                *o = d * q as f32;
+            }
+        }
+    }
+
+    /// `Σ_blocks d_w · d_x · Σ q_w · q_x`, integer products per block.
+    fn dot_reference(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
+        assert_eq!(w.len(), x.len());
+        let mut s = 0.0f32;
+        for (b, a) in w.iter().zip(x) {
+            let dot: i32 = b.qs.iter().zip(&a.qs).map(|(&p, &q)| p as i32 * q as i32).sum();
+            s += b.d.to_f32() * a.d * dot as f32;
+        }
+        s
+    }
+
+    fn kernels(tier: Tier) -> Kernels<Int8> {
+        match tier {
+            Tier::Scalar => reference_kernels(),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 | Tier::Avx512 | Tier::Amx => {
+                use super::int_avx2 as k;
+                Kernels { dot: k::dot_q8, rows4: k::rows4_q8, dequantize: k::dequantize_q8 }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        }
+    }
+}

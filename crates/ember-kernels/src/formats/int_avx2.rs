@@ -1,0 +1,190 @@
+//! AVX2 integer kernels of the INT8 and INT4 rows: `maddubs` (u8 × i8 → i16
+//! pairs) then `madd` with ones (→ i32), one f32 FMA per block for the scales;
+//! and the int8 activation quantizer. Each requires AVX2, FMA and F16C; an
+//! `Isa` of the AVX2 tier or above is the proof.
+use super::act::BlockA8;
+use super::act::QK_A8 as QK;
+use super::int4::BlockQ4;
+use super::int8::BlockQ8;
+use std::arch::x86_64::*;
+
+/// Σ over 32 lanes of `w · x` as 8 i32 partial sums, signed × signed.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_i8(w: __m256i, x: __m256i) -> __m256i {
+    // maddubs wants u8 × i8: move w's sign onto x.
+    let aw = _mm256_sign_epi8(w, w);
+    let sx = _mm256_sign_epi8(x, w);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
+}
+
+/// Σ over 32 lanes of `n · x`, `n` in 0..=15 unsigned.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_u4(n: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(n, x), _mm256_set1_epi16(1))
+}
+
+/// The 32 nibbles of a block as bytes, weight j in lane j: the 16 bytes
+/// in both halves, the upper half shifted right by 4, then masked.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn nibbles(qs: *const u8) -> __m256i {
+    let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
+    let shifted = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(15))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum(v: __m256) -> f32 {
+    super::float::avx2::hsum(v)
+}
+
+/// A block's F16 scale, widened by the F16C unit.
+#[inline]
+#[target_feature(enable = "f16c")]
+unsafe fn scale(d: half::f16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)))
+}
+
+/// How far ahead the next blocks of each row are prefetched, in bytes.
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Four INT8 rows against the same activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows4_q8(w: [&[BlockQ8]; 4], x: &[BlockA8]) -> [f32; 4] {
+    let n = x.len();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..n {
+        let a = x.get_unchecked(i);
+        let xv = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+        for k in 0..4 {
+            let b = w[k].get_unchecked(i);
+            if i % 2 == 0 {
+                // One prefetch per 68 bytes: about one per cache line.
+                _mm_prefetch::<_MM_HINT_T0>((b as *const BlockQ8 as *const i8).wrapping_add(PREFETCH_AHEAD));
+            }
+            let p = dot_i8(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), xv);
+            let s = _mm256_set1_ps(a.d * scale(b.d));
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[k]);
+        }
+    }
+    acc.map(|v| hsum(v))
+}
+
+/// Four INT4 rows against the same activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows4_q4(w: [&[BlockQ4]; 4], x: &[BlockA8]) -> [f32; 4] {
+    let n = x.len();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..n {
+        let a = x.get_unchecked(i);
+        let xv = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+        // Σ (n − 8)·q = Σ n·q − 8·Σ q: the correction, as 8 lanes.
+        let corr = _mm256_setr_epi32(8 * a.sum, 0, 0, 0, 0, 0, 0, 0);
+        for k in 0..4 {
+            let b = w[k].get_unchecked(i);
+            if i % 4 == 0 {
+                // One prefetch per 72 bytes: about one per cache line.
+                _mm_prefetch::<_MM_HINT_T0>((b as *const BlockQ4 as *const i8).wrapping_add(PREFETCH_AHEAD));
+            }
+            let p = _mm256_sub_epi32(dot_u4(nibbles(b.qs.as_ptr()), xv), corr);
+            let s = _mm256_set1_ps(a.d * scale(b.d));
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[k]);
+        }
+    }
+    acc.map(|v| hsum(v))
+}
+
+/// One INT8 row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in w.iter().zip(x) {
+        let p = dot_i8(
+            _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i),
+            _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i),
+        );
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a.d * scale(b.d)), acc);
+    }
+    hsum(acc)
+}
+
+/// One INT4 row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in w.iter().zip(x) {
+        let p = dot_u4(nibbles(b.qs.as_ptr()), _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i));
+        let p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * a.sum, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a.d * scale(b.d)), acc);
+    }
+    hsum(acc)
+}
+
+/// 32 signed codes (one per byte) times `d`, to `y[..32]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store_scaled(q: __m256i, d: f32, y: *mut f32) {
+    let d = _mm256_set1_ps(d);
+    let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+    for (h, part) in halves.into_iter().enumerate() {
+        let lo = _mm256_cvtepi8_epi32(part);
+        let hi = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(part));
+        _mm256_storeu_ps(y.add(16 * h), _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+        _mm256_storeu_ps(y.add(16 * h + 8), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+    }
+}
+
+/// INT8 blocks to f32 (prefill widens a panel of rows at a time).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_q8(src: &[BlockQ8], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+        store_scaled(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), scale(b.d), y.as_mut_ptr());
+    }
+}
+
+/// INT4 blocks to f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_q4(src: &[BlockQ4], dst: &mut [f32]) {
+    let eight = _mm256_set1_epi8(8);
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+        store_scaled(_mm256_sub_epi8(nibbles(b.qs.as_ptr()), eight), scale(b.d), y.as_mut_ptr());
+    }
+}
+
+/// [`super::quantize_activations_scalar`] with AVX2, bit for bit.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_activations(x: &[f32], dst: &mut [BlockA8]) {
+    let sign = _mm256_set1_ps(-0.0);
+    for (v, b) in x.chunks_exact(QK).zip(dst.iter_mut()) {
+        let p = v.as_ptr();
+        let r = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let m = r.iter().fold(_mm256_setzero_ps(), |m, &v| _mm256_max_ps(m, _mm256_andnot_ps(sign, v)));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let iv = _mm256_set1_ps(inv);
+        // Half away from zero: add ±0.5, then truncate.
+        let half = _mm256_set1_ps(0.5);
+        let q = r.map(|v| {
+            let s = _mm256_mul_ps(v, iv);
+            let h = _mm256_or_ps(half, _mm256_and_ps(sign, s));
+            _mm256_cvttps_epi32(_mm256_add_ps(s, h))
+        });
+        // 32 × i32 → 32 × i8, in order.
+        let a = _mm256_packs_epi32(q[0], q[1]);
+        let c = _mm256_packs_epi32(q[2], q[3]);
+        let bytes = _mm256_packs_epi16(a, c);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, bytes);
+        let sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
+        let sum32 = _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256::<1>(sum32));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        b.sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)));
+        b.d = amax / 127.0;
+    }
+}

@@ -1,0 +1,488 @@
+//! The weight-format table: one row per weight type.
+//!
+//! Like ggml's type traits, each row says everything the engine needs to
+//! know about a type: its stored block and how many weights it holds, the
+//! activation format its dot products read (f32, or int8 blocks quantized once
+//! per mat-vec), how to round a row of f32 into it (the reference), how to
+//! widen it back (reference and per-tier kernels), the reference dot product
+//! (the specification) and the per-tier dot and four-row kernels the mat-vec
+//! streams with.
+//!
+//! | row | [`WeightType`] | block | weights / block | activations |
+//! |---|---|---|---|---|
+//! | [`F32`] | `f32` | `f32` | 1 | f32 |
+//! | [`Bf16`] | `bf16` | [`bf16`] | 1 | f32 |
+//! | [`F16`] | `f16` | [`f16`] | 1 | f32 |
+//! | [`Int8`] | `int8` | [`BlockQ8`] (34 B) | 32 | [`BlockA8`] |
+//! | [`Int4`] | `int4` | [`BlockQ4`] (18 B) | 32 | [`BlockA8`] |
+//!
+//! The rest of the engine never matches on the type: [`Weights`] (a typed,
+//! borrowed slice) and [`WeightType`] are turned into a row by the two
+//! dispatch macros of this module, written once. Adding a type is adding a
+//! row: a file with its block and kernels, one variant in [`WeightType`] and
+//! [`Weights`], one line in each macro.
+
+mod act;
+pub(crate) mod float;
+mod int4;
+mod int8;
+#[cfg(target_arch = "x86_64")]
+mod int_avx2;
+
+pub use act::{quantize_activations, quantize_activations_scalar, BlockA8, QK_A8};
+pub use float::{Bf16, F16, F32};
+pub use half::{bf16, f16};
+pub use int4::{BlockQ4, Int4};
+pub use int8::{BlockQ8, Int8};
+
+use crate::cpu::{Isa, Tier};
+
+/// Every weight type ember computes with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    F32,
+    Bf16,
+    F16,
+    /// ember's INT8 blocks ([`BlockQ8`]).
+    Int8,
+    /// ember's INT4 blocks ([`BlockQ4`]).
+    Int4,
+}
+
+/// Runs `$body` with `$F` bound to the [`Format`] row of a [`WeightType`].
+macro_rules! with_type {
+    ($ty:expr, |$F:ident| $body:expr) => {
+        match $ty {
+            $crate::formats::WeightType::F32 => {
+                type $F = $crate::formats::F32;
+                $body
+            }
+            $crate::formats::WeightType::Bf16 => {
+                type $F = $crate::formats::Bf16;
+                $body
+            }
+            $crate::formats::WeightType::F16 => {
+                type $F = $crate::formats::F16;
+                $body
+            }
+            $crate::formats::WeightType::Int8 => {
+                type $F = $crate::formats::Int8;
+                $body
+            }
+            $crate::formats::WeightType::Int4 => {
+                type $F = $crate::formats::Int4;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$F` bound to the [`Format`] row of a [`Weights`] and
+/// `$data` to its typed slice of blocks.
+macro_rules! with_weights {
+    ($weights:expr, |$F:ident, $data:ident| $body:expr) => {
+        match $weights {
+            $crate::formats::Weights::F32($data) => {
+                type $F = $crate::formats::F32;
+                $body
+            }
+            $crate::formats::Weights::Bf16($data) => {
+                type $F = $crate::formats::Bf16;
+                $body
+            }
+            $crate::formats::Weights::F16($data) => {
+                type $F = $crate::formats::F16;
+                $body
+            }
+            $crate::formats::Weights::Int8($data) => {
+                type $F = $crate::formats::Int8;
+                $body
+            }
+            $crate::formats::Weights::Int4($data) => {
+                type $F = $crate::formats::Int4;
+                $body
+            }
+        }
+    };
+}
+
+pub(crate) use with_weights;
+
+/// Row-major weights in their stored type, borrowed.
+#[derive(Clone, Copy, Debug)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+    Int8(&'a [BlockQ8]),
+    Int4(&'a [BlockQ4]),
+}
+
+/// One weight type as a row of the table. See the module docs.
+pub trait Format: Sized + 'static {
+    /// The row's name in [`WeightType`].
+    const TYPE: WeightType;
+    /// The file and command-line name (`bf16`, `int8`, ...).
+    const NAME: &'static str;
+    /// The stored unit: a number, or a block of [`Format::BLOCK_LEN`] weights.
+    type Block: bytemuck::Pod + PartialEq + std::fmt::Debug + Send + Sync;
+    /// Weights per block (rows are whole blocks).
+    const BLOCK_LEN: usize;
+    /// The activation format dot products read.
+    type Act: Activation;
+    /// A block of zeros.
+    const ZERO: Self::Block;
+    /// Whether the engine rounds f32 weights into this type when asked to
+    /// quantize (`--quant`).
+    const QUANTIZED: bool;
+
+    /// `data` as type-erased weights.
+    fn wrap(data: &[Self::Block]) -> Weights<'_>;
+    /// Rounds `src (n * BLOCK_LEN,)` into `dst (n,)`: the reference quantizer.
+    fn quantize_row(src: &[f32], dst: &mut [Self::Block]);
+    /// `src (n,)` widened to `dst (n * BLOCK_LEN,)`: the specification.
+    fn dequantize_reference(src: &[Self::Block], dst: &mut [f32]);
+    /// `Σ w·x` over a row: the specification the fast kernels are tested against.
+    fn dot_reference(w: &[Self::Block], x: &[Self::Act]) -> f32;
+    /// The kernels a tier runs for this type. Matches every tier by name.
+    fn kernels(tier: Tier) -> Kernels<Self>;
+
+    /// [`Format::dot_reference`] with `isa`'s kernel.
+    fn dot(isa: Isa, w: &[Self::Block], x: &[Self::Act]) -> f32 {
+        assert_eq!(w.len() * Self::BLOCK_LEN, x.len() * Self::Act::BLOCK_LEN, "row and activation lengths");
+        // SAFETY: `isa` exists only if the CPU has its tier's features; the
+        // lengths agree.
+        unsafe { (Self::kernels(isa.tier()).dot)(w, x) }
+    }
+
+    /// [`Format::dequantize_reference`] with `isa`'s kernel (bit for bit).
+    fn dequantize(isa: Isa, src: &[Self::Block], dst: &mut [f32]) {
+        assert_eq!(src.len() * Self::BLOCK_LEN, dst.len(), "row length");
+        // SAFETY: as above.
+        unsafe { (Self::kernels(isa.tier()).dequantize)(src, dst) }
+    }
+}
+
+/// One tier's kernels for a weight type. Each requires the CPU to have the
+/// tier's features, hence `unsafe`; an [`Isa`] is the proof.
+pub struct Kernels<F: Format> {
+    /// `w (n,) · x`, the lengths agreeing.
+    pub dot: unsafe fn(&[F::Block], &[F::Act]) -> f32,
+    /// Four rows against the same activations: `[w0 · x, w1 · x, w2 · x, w3 · x]`.
+    /// The mat-vec passes rows from the four quarters of a matrix, so four
+    /// memory streams are in flight.
+    pub rows4: unsafe fn([&[F::Block]; 4], &[F::Act]) -> [f32; 4],
+    /// Blocks widened to f32 (`dst.len() == src.len() * BLOCK_LEN`).
+    pub dequantize: unsafe fn(&[F::Block], &mut [f32]),
+}
+
+impl<F: Format> Clone for Kernels<F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<F: Format> Copy for Kernels<F> {}
+
+/// The scalar tier of any row: its reference functions.
+pub(crate) fn reference_kernels<F: Format>() -> Kernels<F> {
+    Kernels { dot: F::dot_reference, rows4: rows4_reference::<F>, dequantize: F::dequantize_reference }
+}
+
+fn rows4_reference<F: Format>(w: [&[F::Block]; 4], x: &[F::Act]) -> [f32; 4] {
+    w.map(|row| F::dot_reference(row, x))
+}
+
+/// The activation formats dot products read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActType {
+    /// The f32 activations as they are.
+    F32,
+    /// Int8 blocks of 32 with an f32 scale ([`BlockA8`]).
+    A8,
+}
+
+/// An activation format: how a row's dot product reads the input vector.
+pub trait Activation: Copy + Send + Sync + 'static {
+    const TYPE: ActType;
+    /// Inputs per element.
+    const BLOCK_LEN: usize;
+    /// This format's view of an input prepared by [`Acts`].
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self];
+}
+
+impl Activation for f32 {
+    const TYPE: ActType = ActType::F32;
+    const BLOCK_LEN: usize = 1;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [f32] {
+        acts.f32
+    }
+}
+
+impl Activation for BlockA8 {
+    const TYPE: ActType = ActType::A8;
+    const BLOCK_LEN: usize = QK_A8;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [BlockA8] {
+        acts.a8
+    }
+}
+
+/// One input vector in every activation format some matrix needs (the
+/// others empty): quantized once per mat-vec, read by every row and thread.
+#[derive(Clone, Copy)]
+pub struct Acts<'a> {
+    pub f32: &'a [f32],
+    pub a8: &'a [BlockA8],
+}
+
+impl WeightType {
+    /// Every type, in table order.
+    pub const ALL: [WeightType; 5] =
+        [WeightType::F32, WeightType::Bf16, WeightType::F16, WeightType::Int8, WeightType::Int4];
+
+    /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`.
+    pub fn name(self) -> &'static str {
+        with_type!(self, |F| F::NAME)
+    }
+
+    /// Parses [`WeightType::name`] (any case).
+    pub fn from_name(s: &str) -> Option<WeightType> {
+        WeightType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// Whether `--quant` may round weights into this type.
+    pub fn is_quantized(self) -> bool {
+        with_type!(self, |F| F::QUANTIZED)
+    }
+
+    /// Weights per block.
+    pub fn block_len(self) -> usize {
+        with_type!(self, |F| F::BLOCK_LEN)
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        with_type!(self, |F| std::mem::size_of::<<F as Format>::Block>())
+    }
+
+    /// Alignment the stored data needs, in bytes.
+    pub fn align(self) -> usize {
+        with_type!(self, |F| std::mem::align_of::<<F as Format>::Block>())
+    }
+
+    /// The activation format its dot products read.
+    pub fn act(self) -> ActType {
+        with_type!(self, |F| <<F as Format>::Act as Activation>::TYPE)
+    }
+
+    /// Rounds `src` (whole blocks) into this type's blocks, written as bytes
+    /// to `dst` (`src.len() / block_len * block_bytes`). The reference
+    /// quantizer.
+    pub fn quantize_row(self, src: &[f32], dst: &mut [u8]) {
+        with_type!(self, |F| {
+            let blocks: &mut [<F as Format>::Block] =
+                bytemuck::try_cast_slice_mut(dst).expect("destination holds whole blocks");
+            F::quantize_row(src, blocks)
+        })
+    }
+}
+
+impl std::fmt::Display for WeightType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl<'a> Weights<'a> {
+    /// Stored bytes as weights of type `ty`; `None` if the length or the
+    /// alignment does not fit the type's blocks.
+    pub fn from_bytes(ty: WeightType, bytes: &'a [u8]) -> Option<Weights<'a>> {
+        with_type!(ty, |F| bytemuck::try_cast_slice::<u8, <F as Format>::Block>(bytes).ok().map(F::wrap))
+    }
+
+    /// The stored bytes.
+    pub fn as_bytes(&self) -> &'a [u8] {
+        with_weights!(*self, |F, d| bytemuck::cast_slice::<<F as Format>::Block, u8>(d))
+    }
+
+    pub fn ty(&self) -> WeightType {
+        with_weights!(self, |F, _d| F::TYPE)
+    }
+
+    /// Number of weights.
+    pub fn len(&self) -> usize {
+        with_weights!(self, |F, d| d.len() * F::BLOCK_LEN)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of storage.
+    pub fn bytes(&self) -> usize {
+        self.as_bytes().len()
+    }
+
+    /// Every weight widened to f32 (for small tensors: norms, biases).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        with_weights!(*self, |F, d| F::dequantize_reference(d, &mut out));
+        out
+    }
+}
+
+/// A borrowed matrix `(rows, cols)`, row-major, rows whole blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    pub weights: Weights<'a>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// Wraps `weights` as a `(rows, cols)` matrix. Panics if the sizes disagree:
+    /// that is a bug in the caller, which validated shapes at load time.
+    pub fn new(weights: Weights<'a>, rows: usize, cols: usize) -> Self {
+        assert_eq!(weights.len(), rows * cols, "matrix data does not hold {rows}x{cols}");
+        let block = weights.ty().block_len();
+        assert!(cols.is_multiple_of(block), "{} rows are whole blocks of {block}", weights.ty());
+        MatRef { weights, rows, cols }
+    }
+
+    /// Rows `start..end` as a matrix of their own.
+    pub fn rows(&self, start: usize, end: usize) -> MatRef<'a> {
+        let per_row = self.cols / self.weights.ty().block_len();
+        let weights = with_weights!(self.weights, |F, d| F::wrap(&d[start * per_row..end * per_row]));
+        MatRef { weights, rows: end - start, cols: self.cols }
+    }
+
+    /// Row `r` widened to f32 into `out (cols,)`: an embedding lookup.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        self.row_to_f32_with(Isa::active(), r, out)
+    }
+
+    /// [`MatRef::row_to_f32`] with the given tier (prefill widens every
+    /// weight once per token block, so this runs at memory speed).
+    pub fn row_to_f32_with(&self, isa: Isa, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols);
+        self.rows(r, r + 1).row_to_f32_range_with(isa, 0..self.cols, out)
+    }
+
+    /// Columns `cols` of row 0 widened to f32 into `out`; the range must be
+    /// whole blocks.
+    pub fn row_to_f32_range_with(&self, isa: Isa, cols: std::ops::Range<usize>, out: &mut [f32]) {
+        assert_eq!(out.len(), cols.len());
+        with_weights!(self.weights, |F, d| {
+            let b = F::BLOCK_LEN;
+            assert!(cols.start % b == 0 && cols.end % b == 0, "column range {cols:?} is not whole blocks of {b}");
+            F::dequantize(isa, &d[cols.start / b..cols.end / b], out)
+        })
+    }
+
+    /// Row `r` · x on the calling thread.
+    pub fn dot_row(&self, isa: Isa, r: usize, x: &Acts) -> f32 {
+        let per_row = self.cols / self.weights.ty().block_len();
+        with_weights!(self.weights, |F, d| F::dot(isa, &d[r * per_row..(r + 1) * per_row], <F as Format>::Act::pick(x)))
+    }
+
+    /// Bytes of weights this matrix streams per mat-vec.
+    pub fn bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::synth;
+
+    /// Every row keeps its contract on every tier the CPU runs: the fast
+    /// dequantize equals the reference bit for bit, the fast dot and four-row
+    /// kernels agree with the reference dot, and the byte view round-trips.
+    fn row_contract<F: Format>() {
+        for n in [32usize, 64, 96, 896, 4864] {
+            let w = synth(4 * n, n as u64);
+            let x = synth(n, n as u64 + 1);
+            let mut blocks = vec![F::ZERO; 4 * n / F::BLOCK_LEN];
+            F::quantize_row(&w, &mut blocks);
+            let mut a8 = vec![BlockA8::ZERO; n / QK_A8];
+            quantize_activations_scalar(&x, &mut a8);
+            let acts = Acts { f32: &x, a8: &a8 };
+            let xa = F::Act::pick(&acts);
+            let rows: Vec<&[F::Block]> = blocks.chunks_exact(n / F::BLOCK_LEN).collect();
+            let want: Vec<f32> = rows.iter().map(|r| F::dot_reference(r, xa)).collect();
+            let mut back = vec![0.0; 4 * n];
+            F::dequantize_reference(&blocks, &mut back);
+            let mag: f32 = back[..n].iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1.0);
+            for isa in Isa::supported() {
+                let mut fast_back = vec![f32::NAN; 4 * n];
+                F::dequantize(isa, &blocks, &mut fast_back);
+                assert_eq!(fast_back, back, "{} {isa:?} dequantize n={n}", F::NAME);
+                // SAFETY: `isa` is supported.
+                let four = unsafe { (F::kernels(isa.tier()).rows4)([rows[0], rows[1], rows[2], rows[3]], xa) };
+                for k in 0..4 {
+                    let one = F::dot(isa, rows[k], xa);
+                    assert!((one - want[k]).abs() <= 1e-5 * mag, "{} {isa:?} dot n={n}: {one} vs {}", F::NAME, want[k]);
+                    assert!((four[k] - want[k]).abs() <= 1e-5 * mag, "{} {isa:?} rows4 n={n}", F::NAME);
+                }
+            }
+            let bytes = F::wrap(&blocks).as_bytes();
+            let again = Weights::from_bytes(F::TYPE, bytes).expect("aligned");
+            assert_eq!(again.as_bytes(), bytes);
+            assert_eq!(again.ty(), F::TYPE);
+            assert_eq!(again.len(), 4 * n);
+        }
+    }
+
+    #[test]
+    fn every_row_keeps_its_contract() {
+        row_contract::<F32>();
+        row_contract::<Bf16>();
+        row_contract::<F16>();
+        row_contract::<Int8>();
+        row_contract::<Int4>();
+    }
+
+    /// No tier silently runs another tier's kernels: every tier above scalar
+    /// has kernels of its own, distinct from the reference ones.
+    #[test]
+    fn every_declared_tier_has_its_kernels() {
+        fn distinct<F: Format>() {
+            let reference = F::kernels(Tier::Scalar);
+            for tier in Tier::ALL.into_iter().filter(|&t| t != Tier::Scalar) {
+                if cfg!(target_arch = "x86_64") {
+                    let k = F::kernels(tier);
+                    assert_ne!(k.dot as usize, reference.dot as usize, "{} {tier:?} dot", F::NAME);
+                    assert_ne!(k.rows4 as usize, reference.rows4 as usize, "{} {tier:?} rows4", F::NAME);
+                }
+            }
+        }
+        distinct::<F32>();
+        distinct::<Bf16>();
+        distinct::<F16>();
+        distinct::<Int8>();
+        distinct::<Int4>();
+    }
+
+    #[test]
+    fn the_table_describes_each_type() {
+        for ty in WeightType::ALL {
+            assert_eq!(WeightType::from_name(ty.name()), Some(ty));
+            assert_eq!(WeightType::from_name(&ty.name().to_uppercase()), Some(ty));
+        }
+        assert_eq!(WeightType::Int8.block_bytes(), 34);
+        assert_eq!(WeightType::Int4.block_bytes(), 18);
+        assert_eq!(WeightType::Bf16.block_len(), 1);
+        assert_eq!(WeightType::Int4.act(), ActType::A8);
+        assert!(WeightType::Int4.is_quantized() && !WeightType::Bf16.is_quantized());
+        assert!(Weights::from_bytes(WeightType::Int8, &[0u8; 35]).is_none());
+    }
+
+    #[test]
+    fn row_to_f32_widens_exactly() {
+        let w: Vec<bf16> = [1.5f32, -2.0, 0.25, 8.0].iter().map(|&v| bf16::from_f32(v)).collect();
+        let m = MatRef::new(Weights::Bf16(&w), 2, 2);
+        let mut out = [0.0; 2];
+        m.row_to_f32(1, &mut out);
+        assert_eq!(out, [0.25, 8.0]);
+    }
+}

@@ -1,0 +1,112 @@
+//! The batch-first forward pass with several sequences: tokens of different
+//! sequences in one batch give each sequence what it gets alone, and
+//! `ember_model::step` drives several generations with one forward pass per
+//! step.
+
+mod common;
+
+use common::{reference, tiny_model};
+use ember_model::{
+    load_qwen2, step, BatchToken, Context, Decoding, Error, GenerateOptions, Model, SamplerConfig, Scratch,
+};
+
+const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// A prompt block of one sequence and single tokens of two others, in one
+/// batch, give each the logits it gets alone.
+#[test]
+fn mixed_batches_equal_sequences_alone() {
+    for variant in VARIANTS {
+        let r = reference(variant);
+        let model = load_qwen2(&common::fixtures().join(variant)).unwrap();
+        let ids = &r.ids;
+        let (a, b) = (&ids[..3], &ids[3..]);
+        // Alone: sequence 0 runs `ids` in two blocks; sequence 1 runs `b` then
+        // `a[..1]` token by token.
+        let mut alone0 = model.new_state(64);
+        alone0.run(&model, a, false).unwrap();
+        let want0 = alone0.run(&model, b, true).unwrap().unwrap().to_vec();
+        let mut alone1 = model.new_state(64);
+        alone1.run(&model, b, false).unwrap();
+        let want1 = alone1.run(&model, &a[..1], true).unwrap().unwrap().to_vec();
+
+        // Together: first sequence 0's block `a` with sequence 1's prompt `b`
+        // (two runs in one batch), then `b` for 0 with the single `a[0]` for 1.
+        let (mut c0, mut c1) = (model.new_cache(64), model.new_cache(64));
+        let mut scratch = Scratch::default();
+        let mut batch: Vec<BatchToken> =
+            a.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 0, pos: i, logits: false }).collect();
+        batch.extend(b.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 1, pos: i, logits: false }));
+        let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
+        assert!(out.is_empty());
+        let mut batch: Vec<BatchToken> =
+            b.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 0, pos: 3 + i, logits: false }).collect();
+        batch.last_mut().unwrap().logits = true;
+        batch.push(BatchToken { token: a[0], seq: 1, pos: b.len(), logits: true });
+        let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
+        let v = model.config.vocab_size;
+        assert_eq!(out.len(), 2 * v);
+        let scale = want0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(max_diff(&out[..v], &want0) <= 1e-5 * scale, "{variant}: sequence 0");
+        assert!(max_diff(&out[v..], &want1) <= 1e-5 * scale, "{variant}: sequence 1");
+        assert_eq!((c0.len(), c1.len()), (ids.len(), b.len() + 1));
+    }
+}
+
+#[test]
+fn batches_that_do_not_continue_their_cache_are_errors() {
+    let model = load_qwen2(&common::fixtures().join("tiny-tied")).unwrap();
+    let mut cache = model.new_cache(4);
+    let mut scratch = Scratch::default();
+    let tok = |pos, seq| BatchToken { token: 1, seq, pos, logits: true };
+    for (batch, what) in [
+        (vec![tok(1, 0)], "skips position 0"),
+        (vec![tok(0, 0), tok(0, 0)], "repeats a position"),
+        (vec![tok(0, 1)], "names a missing cache"),
+    ] {
+        let err = model.forward(&batch, &mut [&mut cache], &mut scratch).err();
+        assert!(matches!(err, Some(Error::InvalidBatch(_))), "{what}: {err:?}");
+        assert_eq!(cache.len(), 0, "{what}: nothing ran");
+    }
+    let full: Vec<_> = (0..5).map(|p| tok(p, 0)).collect();
+    assert!(matches!(model.forward(&full, &mut [&mut cache], &mut scratch), Err(Error::ContextFull { .. })));
+    let bad = [BatchToken { token: 1 << 30, seq: 0, pos: 0, logits: true }];
+    assert!(matches!(model.forward(&bad, &mut [&mut cache], &mut scratch), Err(Error::TokenOutOfRange { .. })));
+}
+
+/// Three greedy generations stepped together produce, token for token, what
+/// each produces alone in a session.
+#[test]
+fn stepping_sequences_together_equals_each_alone() {
+    let r = reference("tiny-untied");
+    let dir = tiny_model("tiny-untied");
+    let model = Model::load(dir.path()).unwrap();
+    let options =
+        GenerateOptions { max_tokens: 8, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let prompts: [&[u32]; 3] = [&r.ids, &r.ids[2..], &[5]];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = model.session(64).unwrap();
+            s.generate(p, options.clone()).unwrap().map(|t| t.unwrap().id).collect()
+        })
+        .collect();
+    let mut contexts: Vec<Context> = (0..3).map(|_| Context::new(model.qwen2.new_cache(64))).collect();
+    let mut decodings: Vec<Decoding> =
+        prompts.iter().map(|p| Decoding::new(&model, options.clone(), p.to_vec(), 0).unwrap()).collect();
+    let mut together = vec![Vec::new(); 3];
+    let mut scratch = Scratch::default();
+    while decodings.iter().any(|d| !d.is_done()) {
+        let mut seqs: Vec<(&mut Context, &mut Decoding)> = contexts.iter_mut().zip(decodings.iter_mut()).collect();
+        // A prompt chunk of 3: the longest prompt takes several passes.
+        step(&model, &mut scratch, 3, &mut seqs).unwrap();
+        for (d, out) in decodings.iter_mut().zip(&mut together) {
+            out.extend(d.take_token().map(|t| t.id));
+        }
+    }
+    assert_eq!(together, alone);
+}
