@@ -394,16 +394,15 @@ impl Decoding {
     }
 
     /// Checks the limits before a step; ends the generation if one is reached.
-    fn ready(&mut self, ctx: &mut Context) -> bool {
+    fn ready(&mut self, ctx: &mut Context) {
         if self.done {
-            return false;
+            return;
         }
         if self.stats.generated >= self.options.max_tokens {
             self.stop(ctx, StopReason::MaxTokens);
         } else if ctx.tokens.len() + self.todo.len() > ctx.capacity() {
             self.stop(ctx, StopReason::ContextFull);
         }
-        !self.done
     }
 
     /// Samples the next token from `self.logits` and updates the text, stop
@@ -494,16 +493,47 @@ pub fn step(
     chunk: usize,
     seqs: &mut [(&mut Context, &mut Decoding)],
 ) -> Result<()> {
-    let chunk = chunk.max(1);
     let start = Instant::now();
-    let live: Vec<bool> = seqs.iter_mut().map(|(ctx, d)| d.ready(ctx)).collect();
-    let mut batch = Vec::new();
+    // Sequences at a limit end here; the others stay live until they sample.
+    for (ctx, d) in seqs.iter_mut() {
+        d.ready(ctx);
+    }
+    // The batch buffer lives in the scratch, reused from step to step.
+    let mut batch = std::mem::take(&mut scratch.batch);
+    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch);
+    scratch.batch = batch;
+    ran?;
+    let elapsed = start.elapsed();
+    for (ctx, d) in seqs.iter_mut() {
+        if d.done {
+            continue;
+        }
+        if d.stats.generated == 0 {
+            d.stats.prompt_tokens = d.todo.len();
+            d.stats.prefill = elapsed;
+            d.history.extend_from_slice(&ctx.tokens);
+        } else {
+            d.stats.decode_tokens += d.todo.len();
+            d.stats.decode += elapsed;
+        }
+        d.sampled = Some(d.sample(model, ctx)?);
+    }
+    Ok(())
+}
+
+/// Runs every live sequence's waiting tokens, at most `chunk` of each per
+/// forward pass, leaving each one's logits after its last token.
+fn run_waiting(
+    model: &Model,
+    scratch: &mut Scratch,
+    chunk: usize,
+    seqs: &mut [(&mut Context, &mut Decoding)],
+    batch: &mut Vec<BatchToken>,
+) -> Result<()> {
+    let vocab = model.config().vocab_size;
     loop {
         batch.clear();
-        for (s, (ctx, d)) in seqs.iter().enumerate() {
-            if !live[s] {
-                continue;
-            }
+        for (s, (ctx, d)) in seqs.iter().enumerate().filter(|(_, (_, d))| !d.done) {
             let from = d.done_todo;
             let to = (from + chunk).min(d.todo.len());
             let pos0 = ctx.tokens.len();
@@ -513,11 +543,10 @@ pub fn step(
             }
         }
         if batch.is_empty() {
-            break;
+            return Ok(());
         }
         let mut caches: Vec<&mut KvCache> = seqs.iter_mut().map(|(ctx, _)| &mut ctx.cache).collect();
-        let logits = model.qwen2.forward(&batch, &mut caches, scratch)?;
-        let vocab = model.config().vocab_size;
+        let logits = model.qwen2.forward(batch, &mut caches, scratch)?;
         let mut row = 0;
         for (s, (ctx, d)) in seqs.iter_mut().enumerate() {
             let ran = batch.iter().filter(|b| b.seq == s).count();
@@ -532,22 +561,6 @@ pub fn step(
             }
         }
     }
-    let elapsed = start.elapsed();
-    for (s, (ctx, d)) in seqs.iter_mut().enumerate() {
-        if !live[s] {
-            continue;
-        }
-        if d.stats.generated == 0 {
-            d.stats.prompt_tokens = d.todo.len();
-            d.stats.prefill = elapsed;
-            d.history.extend_from_slice(&ctx.tokens);
-        } else {
-            d.stats.decode_tokens += d.todo.len();
-            d.stats.decode += elapsed;
-        }
-        d.sampled = Some(d.sample(model, ctx)?);
-    }
-    Ok(())
 }
 
 /// An in-progress generation of a [`Session`]: an iterator of [`Token`]s.

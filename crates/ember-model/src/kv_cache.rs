@@ -64,12 +64,6 @@ impl KvCache {
         self.len += 1;
     }
 
-    /// Marks `n` more positions as filled in every layer.
-    pub fn advance_by(&mut self, n: usize) {
-        assert!(self.len + n <= self.capacity);
-        self.len += n;
-    }
-
     /// Forgets positions from `len` on (their memory is reused).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

@@ -338,26 +338,11 @@ impl Qwen2 {
                 rmsnorm(xr, &layer.input_layernorm, eps, hr);
             }
             // q, k and v read the same input: one parallel pass.
-            if t == 1 {
-                matvecs(
-                    pool,
-                    hb,
-                    [
-                        (a.q_proj.matrix(), &mut qb[..]),
-                        (a.k_proj.matrix(), &mut kb[..]),
-                        (a.v_proj.matrix(), &mut vb[..]),
-                    ],
-                );
-            } else {
-                matmuls(
-                    pool,
-                    hb,
-                    [
-                        (a.q_proj.matrix(), &mut qb[..]),
-                        (a.k_proj.matrix(), &mut kb[..]),
-                        (a.v_proj.matrix(), &mut vb[..]),
-                    ],
-                );
+            let qkv =
+                [(a.q_proj.matrix(), &mut qb[..]), (a.k_proj.matrix(), &mut kb[..]), (a.v_proj.matrix(), &mut vb[..])];
+            match t {
+                1 => matvecs(pool, hb, qkv),
+                _ => matmuls(pool, hb, qkv),
             }
             a.q_proj.add_bias(qb);
             a.k_proj.add_bias(kb);
@@ -381,10 +366,10 @@ impl Qwen2 {
             for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
                 rmsnorm(xr, &layer.post_attention_layernorm, eps, hr);
             }
-            if t == 1 {
-                matvec_swiglu(pool, m.gate_proj.matrix(), m.up_proj.matrix(), hb, gate);
-            } else {
-                matmul_swiglu(pool, m.gate_proj.matrix(), m.up_proj.matrix(), hb, up, gate);
+            let (gp, up_p) = (m.gate_proj.matrix(), m.up_proj.matrix());
+            match t {
+                1 => matvec_swiglu(pool, gp, up_p, hb, gate),
+                _ => matmul_swiglu(pool, gp, up_p, hb, up, gate),
             }
             self.project(&m.down_proj, gate, hb);
             add_assign(x, hb);
@@ -484,8 +469,8 @@ pub struct Scratch {
     visible: Vec<usize>,
     /// `(n, vocab)` for the rows that want logits.
     logits: Vec<f32>,
-    /// A batch being built by [`State`].
-    batch: Vec<BatchToken>,
+    /// A batch being built by [`State`] or `generate::step`.
+    pub(crate) batch: Vec<BatchToken>,
 }
 
 impl Scratch {

@@ -19,7 +19,7 @@ pub struct Bf16;
 pub struct F16;
 
 macro_rules! float_row {
-    ($row:ty, $t:ty, $variant:ident, $name:literal, $widen:expr, $zero:expr,
+    ($row:ty, $t:ty, $variant:ident, $name:literal, $round:expr, $widen:expr, $zero:expr,
      $dot:ident, $rows4:ident, $dequantize:ident) => {
         impl Format for $row {
             const TYPE: WeightType = WeightType::$variant;
@@ -36,7 +36,7 @@ macro_rules! float_row {
 
             fn quantize_row(src: &[f32], dst: &mut [$t]) {
                 assert_eq!(src.len(), dst.len(), "row length");
-                let round: fn(f32) -> $t = <$t>::from_f32;
+                let round: fn(f32) -> $t = $round;
                 dst.iter_mut().zip(src).for_each(|(d, &s)| *d = round(s));
             }
 
@@ -67,18 +67,20 @@ macro_rules! float_row {
     };
 }
 
-trait FromF32 {
-    fn from_f32(v: f32) -> Self;
-}
-impl FromF32 for f32 {
-    fn from_f32(v: f32) -> f32 {
-        v
-    }
-}
-
-float_row!(F32, f32, F32, "f32", |v: f32| v, 0.0, dot_f32, rows4_f32, copy_f32);
-float_row!(Bf16, bf16, Bf16, "bf16", |v: bf16| v.to_f32(), bf16::ZERO, dot_bf16, rows4_bf16, widen_bf16);
-float_row!(F16, f16, F16, "f16", |v: f16| v.to_f32(), f16::ZERO, dot_f16, rows4_f16, widen_f16c);
+float_row!(F32, f32, F32, "f32", |v: f32| v, |v: f32| v, 0.0, dot_f32, rows4_f32, copy_f32);
+float_row!(
+    Bf16,
+    bf16,
+    Bf16,
+    "bf16",
+    bf16::from_f32,
+    |v: bf16| v.to_f32(),
+    bf16::ZERO,
+    dot_bf16,
+    rows4_bf16,
+    widen_bf16
+);
+float_row!(F16, f16, F16, "f16", f16::from_f32, |v: f16| v.to_f32(), f16::ZERO, dot_f16, rows4_f16, widen_f16c);
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {

@@ -378,12 +378,6 @@ impl<'a> MatRef<'a> {
         })
     }
 
-    /// Row `r` · x on the calling thread.
-    pub fn dot_row(&self, isa: Isa, r: usize, x: &Acts) -> f32 {
-        let per_row = self.cols / self.weights.ty().block_len();
-        with_weights!(self.weights, |F, d| F::dot(isa, &d[r * per_row..(r + 1) * per_row], <F as Format>::Act::pick(x)))
-    }
-
     /// Bytes of weights this matrix streams per mat-vec.
     pub fn bytes(&self) -> usize {
         self.weights.bytes()
