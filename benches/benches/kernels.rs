@@ -6,7 +6,7 @@
 //!     cargo bench -p ember-benches -- matmul   # only the prefill products
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Tier, Weights};
+use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Precision, Tier, Weights};
 
 /// (rows, cols) of the model's matrices: q/o, k/v, gate/up, down, LM head.
 const SHAPES: [(usize, usize); 5] = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)];
@@ -53,9 +53,11 @@ fn bench_matmul(c: &mut Criterion) {
         for (name, weights) in [("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
             let m = MatRef::new(weights, rows, cols);
             for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
-                group.bench_function(format!("{name} {} 1 thread", isa.name()), |b| {
-                    b.iter(|| matmul_with(isa, m, &x, &mut y))
-                });
+                for p in Precision::ALL {
+                    group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
+                        b.iter(|| matmul_with(isa, p, m, &x, &mut y))
+                    });
+                }
             }
         }
         group.finish();

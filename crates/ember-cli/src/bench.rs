@@ -39,6 +39,20 @@ pub struct Args {
     #[arg(long, value_parser = crate::runtime::parse_quant)]
     quant: Option<ember_model::WeightType>,
 
+    /// Arithmetic of the batched products: `fast` or `exact` (see `ember --help`).
+    #[arg(long, value_parser = crate::runtime::parse_precision, default_value = "fast")]
+    precision: ember_model::Precision,
+
+    /// Also measure decoding with this many sequences together (aggregate
+    /// tok/s over all of them, one forward pass per step), comma-separated,
+    /// each sequence after its own prompt of --sequence-prompt tokens.
+    #[arg(long, value_delimiter = ',')]
+    sequences: Vec<usize>,
+
+    /// Prompt tokens each sequence has before --sequences decoding starts.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    sequence_prompt: usize,
+
     /// Print one JSON array, an object per test.
     #[arg(long)]
     json: bool,
@@ -47,7 +61,14 @@ pub struct Args {
 #[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
 struct Row {
     test: String,
+    /// For decoding with several sequences together: how many.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    sequences: Option<usize>,
     threads: usize,
+    /// The kernel tier in use.
+    isa: String,
+    /// The batched products' precision.
+    precision: String,
     tok_s: f64,
     sd: f64,
     /// For tgN: weight bytes streamed per second while generating.
@@ -71,6 +92,9 @@ pub fn run(args: Args) -> Result<()> {
     if args.threads.contains(&0) {
         bail!("--threads must be at least 1");
     }
+    if args.sequences.contains(&0) {
+        bail!("--sequences must be at least 1");
+    }
     let dir = model_dir(args.model.clone())?;
     // The pool's size is fixed per process: several thread counts run as
     // child processes, one each.
@@ -86,6 +110,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(q) = args.quant {
         model.quantize(&crate::runtime::quant_policy(q)?);
     }
+    model.precision = args.precision;
     let bytes_per_token = model.weight_bytes_per_token();
 
     // Warm-up: fault the mapped weights in and wake the pool.
@@ -114,6 +139,20 @@ pub fn run(args: Args) -> Result<()> {
         r.read_gb_s = Some(median(&reads));
         rows.push(r);
     }
+    for &s in &args.sequences {
+        for &n in args.generate.iter().filter(|&&n| n > 0) {
+            let rates = measure(args.repetitions, || {
+                bench::multi_sequence_generation(&model, s, args.sequence_prompt, n)
+                    .map(|d| (s * n) as f64 / d.as_secs_f64())
+            })?;
+            let mut r = row(format!("tg{n}"), threads, &rates);
+            r.sequences = Some(s);
+            rows.push(r);
+        }
+    }
+    for r in &mut rows {
+        r.precision = args.precision.name().to_string();
+    }
     print(&args, &dir, &rows, Some(bytes_per_token))
 }
 
@@ -129,6 +168,9 @@ fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>>
         .args(["-r", &args.repetitions.to_string(), "-t", &threads.to_string(), "--json"])
         .args(["-b", &args.prefill_chunk.to_string()])
         .args(args.quant.map(|q| ["--quant", q.name()]).into_iter().flatten())
+        .args(["--precision", args.precision.name()])
+        .args(["--sequence-prompt", &args.sequence_prompt.to_string()])
+        .args((!args.sequences.is_empty()).then(|| ["--sequences".to_string(), join(&args.sequences)]).into_iter().flatten())
         .output()
         .context("running a benchmark child process")?;
     if !out.status.success() {
@@ -148,7 +190,18 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
     } else {
         0.0
     };
-    Row { test, threads, tok_s: mean, sd: var.sqrt(), gb_s: None, read_gb_s: None, ttft_ms: None }
+    Row {
+        test,
+        sequences: None,
+        threads,
+        isa: ember_kernels::Isa::active().name().to_string(),
+        precision: String::new(),
+        tok_s: mean,
+        sd: var.sqrt(),
+        gb_s: None,
+        read_gb_s: None,
+        ttft_ms: None,
+    }
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -170,12 +223,17 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
     if let Some(b) = bytes_per_token {
         println!("weights streamed per decoded token: {:.3} GB", b as f64 / 1e9);
     }
+    if let Some(r) = rows.first() {
+        let dot = if ember_kernels::gemm_bf16::pays_off() { "used" } else { "not used (slower than f32 FMA here)" };
+        println!("kernel tier: {}, precision of batched products: {}, BF16 dot products: {dot}", r.isa, r.precision);
+    }
     println!(
-        "| {:<8} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
-        "test", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s"
+        "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
+        "test", "seqs", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s"
     );
-    println!("| {:-<8} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} |", "", "", "", "", "", "");
+    println!("| {:-<8} | {:->4} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} |", "", "", "", "", "", "", "");
     for r in rows {
+        let seqs = r.sequences.map_or(String::new(), |s| s.to_string());
         let ttft = r.ttft_ms.map_or(String::new(), |t| format!("{t:.0}"));
         let gb = match (r.gb_s, r.read_gb_s) {
             (Some(g), Some(c)) if c > 0.0 => format!("{g:.1} ({:.0}% of read)", 100.0 * g / c),
@@ -184,7 +242,10 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         };
         let read = r.read_gb_s.map_or(String::new(), |g| format!("{g:.1}"));
         let rate = format!("{:.2} ± {:.2}", r.tok_s, r.sd);
-        println!("| {:<8} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |", r.test, r.threads, rate, ttft, gb, read);
+        println!(
+            "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
+            r.test, seqs, r.threads, rate, ttft, gb, read
+        );
     }
     Ok(())
 }

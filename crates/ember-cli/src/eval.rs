@@ -4,7 +4,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{eval, load_qwen2, Tokenizer, WeightType};
+use ember_model::{eval, load_qwen2, Precision, Tokenizer, WeightType};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +19,17 @@ pub struct Args {
     /// stored (without it, the model is measured against itself).
     #[arg(long, value_parser = crate::runtime::parse_quant)]
     quant: Option<WeightType>,
+
+    /// Arithmetic of the evaluated model's batched products: `fast` or
+    /// `exact` (see `ember --help`). The reference always runs `exact`.
+    #[arg(long, value_parser = crate::runtime::parse_precision, default_value = "fast")]
+    precision: Precision,
+
+    /// What to compare with: `stored` (the weights as stored, unquantized)
+    /// or `exact` (the same weights, quantized the same way, at exact
+    /// precision: the cost of `--precision fast` alone).
+    #[arg(long, value_parser = ["stored", "exact"], default_value = "stored")]
+    against: String,
 
     /// A UTF-8 text file; its tokens are cut into windows of --ctx.
     #[arg(long)]
@@ -51,6 +62,8 @@ struct Json<'a> {
     top1: f64,
     base_ppl: f64,
     quant: Option<&'a str>,
+    precision: &'a str,
+    against: &'a str,
     tokens: usize,
     windows: usize,
     ctx: usize,
@@ -66,16 +79,24 @@ pub fn run(args: Args) -> Result<()> {
     if tokens.len() < args.ctx {
         bail!("the corpus has {} tokens, fewer than one window of --ctx {}", tokens.len(), args.ctx);
     }
-    let base = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-    let variant = match args.quant {
-        Some(q) => {
-            let start = Instant::now();
-            let mut m = load_qwen2(&dir)?;
+    let against_exact = args.against == "exact";
+    let load = |quant: Option<WeightType>, precision: Precision| -> Result<ember_model::Qwen2> {
+        let start = Instant::now();
+        let mut m = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+        if let Some(q) = quant {
             m.quantize(&crate::runtime::quant_policy(q)?);
             eprintln!("quantized to {} in {:.1} s", q.name(), start.elapsed().as_secs_f64());
-            Some(m)
         }
-        None => None,
+        m.precision = precision;
+        Ok(m)
+    };
+    // The reference: the stored weights, or the same weights as the
+    // evaluated model; always at exact precision.
+    let base = load(if against_exact { args.quant } else { None }, Precision::Exact)?;
+    let variant = if args.quant.is_some() || against_exact || args.precision != Precision::Exact {
+        Some(load(args.quant, args.precision)?)
+    } else {
+        None
     };
     let (model, base) = match &variant {
         Some(v) => (v, Some(&base)),
@@ -96,13 +117,16 @@ pub fn run(args: Args) -> Result<()> {
             top1: report.top1,
             base_ppl: report.base_ppl,
             quant: args.quant.map(|q| q.name()),
+            precision: args.precision.name(),
+            against: &args.against,
             tokens: report.tokens,
             windows: report.windows,
             ctx: report.ctx,
         };
         println!("{}", serde_json::to_string(&j)?);
     } else {
-        let name = args.quant.map_or("as stored", |q| q.name());
+        let name = format!("{}, {} precision", args.quant.map_or("as stored", |q| q.name()), args.precision.name());
+        let base_name = if against_exact { "same weights, exact" } else { "as stored, exact" };
         println!(
             "{} tokens scored in {} windows of {} ({} corpus tokens)",
             report.tokens,
@@ -111,8 +135,8 @@ pub fn run(args: Args) -> Result<()> {
             tokens.len()
         );
         println!("PPL ({name}): {:.4}", report.ppl);
-        if args.quant.is_some() {
-            println!("PPL (as stored): {:.4}", report.base_ppl);
+        if variant.is_some() {
+            println!("PPL ({base_name}): {:.4}", report.base_ppl);
             println!(
                 "KLD mean: {:.6}   KLD p99: {:.6}   top-1 agreement: {:.2}%",
                 report.kld_mean,

@@ -3,7 +3,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{Model, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{Model, Precision, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -28,6 +28,19 @@ pub struct RuntimeArgs {
     /// head and the k, v, o and down projections stay at 8 bits with `int4`).
     #[arg(long, value_parser = parse_quant)]
     pub quant: Option<WeightType>,
+
+    /// Arithmetic of the batched products (prompts): `fast` (BF16 dot
+    /// products where the CPU has them) or `exact` (f32-class).
+    #[arg(long, value_parser = parse_precision, default_value = "fast")]
+    pub precision: Precision,
+}
+
+/// Parses `--precision`.
+pub fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
+    Precision::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
+        format!("unknown precision `{s}` (expected {})", names.join(" or "))
+    })
 }
 
 /// Parses `--quant`: a quantized weight type.
@@ -64,8 +77,9 @@ impl RuntimeArgs {
         let threads = init_threads(self.threads)?;
         let dir = model_dir(self.model.clone())?;
         let policy = self.quant.map(quant_policy).transpose()?;
-        let model =
+        let mut model =
             Model::load_quantized(&dir, policy).with_context(|| format!("loading the model in {}", dir.display()))?;
+        model.qwen2.precision = self.precision;
         Ok((model, dir, threads))
     }
 

@@ -41,6 +41,7 @@
 use crate::cpu::{Isa, Tier};
 use crate::formats::{MatRef, Weights};
 use crate::pool::SharedMut;
+use crate::gemm_bf16::{bf16_bits, bf16_value};
 use half::f16;
 use std::cell::RefCell;
 
@@ -65,7 +66,7 @@ const COL_CHUNK: usize = 1024;
 fn avx512(isa: Isa) -> bool {
     match isa.tier() {
         Tier::Scalar | Tier::Avx2 => false,
-        Tier::Avx512 | Tier::Amx => cfg!(target_arch = "x86_64"),
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
 }
 
@@ -78,29 +79,10 @@ pub fn handles(w: &MatRef) -> bool {
     !matches!(w.weights, Weights::F32(_)) && w.cols.is_multiple_of(KSTEP) && w.cols > 0
 }
 
-/// `x` rounded to the nearest BF16 (ties to even), as bits. Finite inputs
-/// only (the activations of a working model).
-#[inline]
-pub fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-#[inline]
-fn bf16_value(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
-
-/// `x` as `ACT_TERMS` BF16 terms, largest first: each term is what the
-/// earlier ones left over, rounded to BF16.
+/// `x` as `ACT_TERMS` BF16 terms, largest first.
 #[inline]
 pub fn split(x: f32) -> [u16; ACT_TERMS] {
-    let mut rest = x;
-    std::array::from_fn(|_| {
-        let b = bf16_bits(rest);
-        rest -= bf16_value(b);
-        b
-    })
+    crate::gemm_bf16::terms::<ACT_TERMS>(x)
 }
 
 /// Activations `X (T, cols)` packed for the `B` operand: for each tile of 16

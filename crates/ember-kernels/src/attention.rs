@@ -15,7 +15,7 @@
 use crate::cpu::Isa;
 use crate::dot::{axpy, dot_f32};
 use crate::formats::{MatRef, Weights};
-use crate::matmul::matmul_with;
+use crate::matmul::{matmul_with, Precision};
 use crate::ops::softmax;
 use crate::pool::{self, SharedMut, ThreadPool};
 use std::cell::RefCell;
@@ -276,7 +276,7 @@ fn block(
         }
         sc.s.resize(n * len, 0.0);
         // S (n, len) = Q (n, hd) @ K (len, hd)ᵀ
-        matmul_with(isa, MatRef::new(Weights::F32(&sc.k), len, hd), &sc.q, &mut sc.s);
+        matmul_with(isa, Precision::Exact, MatRef::new(Weights::F32(&sc.k), len, hd), &sc.q, &mut sc.s);
         for (r, srow) in sc.s.chunks_exact_mut(len).enumerate() {
             let (seen, masked) = srow.split_at_mut(visible[i0 + r / group]);
             seen.iter_mut().for_each(|v| *v *= scale);
@@ -285,7 +285,7 @@ fn block(
         }
         sc.o.resize(n * hd, 0.0);
         // O (n, hd) = P (n, len) @ Vᵀ (hd, len)ᵀ
-        matmul_with(isa, MatRef::new(Weights::F32(&sc.vt), hd, len), &sc.s, &mut sc.o);
+        matmul_with(isa, Precision::Exact, MatRef::new(Weights::F32(&sc.vt), hd, len), &sc.s, &mut sc.o);
         for (r, orow) in sc.o.chunks_exact(hd).enumerate() {
             let (i, g) = (i0 + r / group, r % group);
             let o = i * width + (kvh * group + g) * hd;

@@ -7,7 +7,7 @@
 //! 1. [`Features`] are detected once per process (CPUID through
 //!    `is_x86_feature_detected!`; AMX also asks Linux for the tile state).
 //! 2. `EMBER_ISA` masks that set: a tier name (`scalar`, `avx2`, `avx512`,
-//!    `amx`) keeps only that tier's features, a comma-separated list of
+//!    `avx512bf16`, `amx`) keeps only that tier's features, a comma-separated list of
 //!    feature names (`avx2,fma,f16c`) keeps those. The test suite runs once per
 //!    tier this way.
 //! 3. The best [`Tier`] whose [`Tier::requires`] the masked set covers becomes
@@ -124,14 +124,20 @@ pub enum Tier {
     /// arithmetic bounds the work (prefill's matrix products); memory-bound
     /// kernels run their AVX2 versions, which already saturate the bus.
     Avx512,
-    /// AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later), granted by
-    /// the OS. Used for prefill's products ([`crate::amx`]).
+    /// AVX-512 plus AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire
+    /// Rapids and later, Zen 4 and later): `vdpbf16ps` multiplies BF16 pairs
+    /// at twice the f32 FMA's rate, used by prefill's products over BF16
+    /// weights at [`Precision::Fast`](crate::matmul::Precision)
+    /// ([`crate::gemm_bf16`]).
+    Avx512Bf16,
+    /// The AVX512-BF16 tier plus AMX-BF16 tiles (Sapphire Rapids and later),
+    /// granted by the OS. Used for prefill's products ([`crate::amx`]).
     Amx,
 }
 
 impl Tier {
     /// All tiers, lowest first.
-    pub const ALL: [Tier; 4] = [Tier::Scalar, Tier::Avx2, Tier::Avx512, Tier::Amx];
+    pub const ALL: [Tier; 5] = [Tier::Scalar, Tier::Avx2, Tier::Avx512, Tier::Avx512Bf16, Tier::Amx];
 
     /// The name used by `EMBER_ISA` and printed by `ember bench`.
     pub fn name(self) -> &'static str {
@@ -139,6 +145,7 @@ impl Tier {
             Tier::Scalar => "scalar",
             Tier::Avx2 => "avx2",
             Tier::Avx512 => "avx512",
+            Tier::Avx512Bf16 => "avx512bf16",
             Tier::Amx => "amx",
         }
     }
@@ -147,11 +154,13 @@ impl Tier {
     pub const fn requires(self) -> Features {
         const AVX2: Features = Features::AVX2.union(Features::FMA).union(Features::F16C);
         const AVX512: Features = AVX2.union(Features::AVX512F);
+        const AVX512_BF16: Features = AVX512.union(Features::AVX512_BF16).union(Features::AVX512_VNNI);
         match self {
             Tier::Scalar => Features::NONE,
             Tier::Avx2 => AVX2,
             Tier::Avx512 => AVX512,
-            Tier::Amx => AVX512.union(Features::AMX_TILE).union(Features::AMX_BF16),
+            Tier::Avx512Bf16 => AVX512_BF16,
+            Tier::Amx => AVX512_BF16.union(Features::AMX_TILE).union(Features::AMX_BF16),
         }
     }
 

@@ -20,6 +20,8 @@
 //! | [`formats`] | the weight-format table: F32, BF16, F16, INT8, INT4; [`MatRef`] |
 //! | [`matvec`] | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight type, threaded by rows; fused q/k/v and gate/up forms |
 //! | [`matmul`] | `X (T, cols) @ Wᵀ -> Y (T, rows)` for blocks of tokens: packed panels and a register-tiled micro-kernel |
+//! | [`gemm_bf16`] | those products over BF16 weights with `vdpbf16ps` at [`Precision::Fast`] (AVX512-BF16 tier) |
+//! | [`gemm_int8`] | those products over INT8/INT4 weights with int8 activations and `vpdpbusd` at [`Precision::Fast`] (VNNI tiers) |
 //! | [`amx`] | AMX tiles for those products, activations split into BF16 terms for f32-class accuracy |
 //! | [`attention`] | attention of a batch of query rows, each over its own sequence's cached keys and values |
 //! | [`dot`] | f32 vector kernels of attention (`q · k`, `o += p · v`) |
@@ -36,6 +38,8 @@ pub mod bandwidth;
 pub mod cpu;
 pub mod dot;
 pub mod formats;
+pub mod gemm_bf16;
+pub mod gemm_int8;
 pub mod matmul;
 pub mod matvec;
 pub mod ops;
@@ -45,6 +49,6 @@ pub(crate) mod testutil;
 
 pub use cpu::{Isa, Tier};
 pub use formats::{bf16, f16, Format, MatRef, WeightType, Weights};
-pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls};
+pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls, Precision};
 pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs};
 pub use pool::ThreadPool;

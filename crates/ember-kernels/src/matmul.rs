@@ -12,9 +12,9 @@
 use crate::amx;
 use crate::cpu::{Isa, Tier};
 use crate::dot::dot_f32_scalar;
-use crate::formats::MatRef;
-#[cfg(test)]
-use crate::formats::Weights;
+use crate::formats::{MatRef, Weights};
+use crate::formats::with_weights;
+use crate::{gemm_bf16, gemm_int8};
 use crate::pool::{self, SharedMut, ThreadPool};
 use std::cell::RefCell;
 
@@ -35,7 +35,7 @@ const ALIGN: usize = 32;
 fn shape_for(isa: Isa) -> (usize, usize) {
     match isa.tier() {
         Tier::Scalar | Tier::Avx2 => (4, 3),
-        Tier::Avx512 | Tier::Amx => (8, 3),
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => (8, 3),
     }
 }
 
@@ -51,20 +51,20 @@ fn tile_kernel(isa: Isa, mr: usize) -> Option<TileKernel> {
         #[cfg(target_arch = "x86_64")]
         Tier::Avx2 => (mr == 4).then_some(avx2::tile_4x3 as TileKernel),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Amx => match mr {
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => match mr {
             8 => Some(avx512::tile_8x3 as TileKernel),
             4 => Some(avx2::tile_4x3 as TileKernel),
             _ => None,
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
     }
 }
 
 /// An output matrix `(T, rows)` written at `y[t * stride + offset + r]`.
 pub struct Out<'a> {
-    data: SharedMut<'a, f32>,
-    stride: usize,
+    pub(crate) data: SharedMut<'a, f32>,
+    pub(crate) stride: usize,
 }
 
 impl<'a> Out<'a> {
@@ -151,38 +151,132 @@ fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, 
     }
 }
 
-thread_local! {
-    /// The caller's activations packed for AMX, reused across calls.
-    static PACKED: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+/// How prefill's matrix products (and batched decode's) treat activations.
+///
+/// Decoding one token is a memory stream and always runs at
+/// [`Exact`](Precision::Exact) for float weights; products over many tokens
+/// are compute-bound, and [`Fast`](Precision::Fast) lets a CPU that
+/// multiplies narrower numbers faster do so. ARCHITECTURE.md's precision
+/// policy says what each tier does and what it measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Precision {
+    /// f32-class: every product as if in f32 (float weights widened, or split
+    /// into exact BF16 terms on AMX); quantized weights meet f32 activations.
+    Exact,
+    /// Where the CPU has BF16 dot products (AVX512-BF16) that outrun its f32
+    /// FMA ([`gemm_bf16::pays_off`]), BF16 weights meet
+    /// activations rounded to [`gemm_bf16::FAST_TERMS`] BF16 terms; where it
+    /// has VNNI, INT8 and INT4 weights meet int8 activation blocks in integer
+    /// dot products (as decoding does). Elsewhere, and for other weight
+    /// types, the exact path.
+    #[default]
+    Fast,
 }
 
-/// Runs `f` with `x (T, cols)` packed for AMX when the tier is AMX and some
-/// weight of the product can use it, else with `None`. Packing is spread
-/// over `pool`, or done on the calling thread without one.
-fn with_packed<R>(
-    pool: Option<&ThreadPool>,
-    isa: Isa,
-    x: &[f32],
-    cols: usize,
-    weights: &[MatRef],
-    f: impl FnOnce(Option<&amx::Packed>) -> R,
-) -> R {
-    if isa.tier() == Tier::Amx && weights.iter().any(amx::handles) {
-        PACKED.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            let packed = amx::pack(isa, pool, x, cols, &mut buf);
-            f(Some(&packed))
-        })
-    } else {
-        f(None)
+impl Precision {
+    pub const ALL: [Precision; 2] = [Precision::Exact, Precision::Fast];
+
+    /// The name `--precision` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Exact => "exact",
+            Precision::Fast => "fast",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Precision> {
+        Precision::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s))
     }
 }
 
+/// A product's activations, prepared once for every thread: packed for AMX,
+/// rounded to BF16 terms for the fast BF16 kernels, or neither.
+#[derive(Default)]
+struct Prepared<'a> {
+    amx: Option<amx::Packed<'a>>,
+    bf16: Option<gemm_bf16::Acts<'a>>,
+    int8: Option<gemm_int8::Acts<'a>>,
+}
+
+thread_local! {
+    /// The caller's activations packed for AMX, reused across calls.
+    static PACKED: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// The caller's activations rounded for the fast BF16 kernels.
+    static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// The caller's activations quantized for the integer kernels.
+    static QUANTIZED: RefCell<Vec<crate::formats::BlockA8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether the integer kernels take `w`'s products.
+fn fast_int8(isa: Isa, precision: Precision, w: &MatRef) -> bool {
+    precision == Precision::Fast && gemm_int8::available(isa) && gemm_int8::handles(w)
+}
+
+/// Whether the fast BF16 kernels take `w`'s products (AMX, where it runs,
+/// takes them first).
+fn fast_bf16(isa: Isa, precision: Precision, w: &MatRef) -> bool {
+    precision == Precision::Fast
+        && matches!(w.weights, Weights::Bf16(_))
+        && gemm_bf16::available(isa)
+        && gemm_bf16::pays_off()
+        && !(isa.tier() == Tier::Amx && amx::handles(w))
+}
+
+/// Whether AMX takes `w`'s products: on its tier, for the types it handles,
+/// except those the integer kernels take at fast precision.
+fn on_amx(isa: Isa, precision: Precision, w: &MatRef) -> bool {
+    isa.tier() == Tier::Amx && amx::handles(w) && !fast_int8(isa, precision, w)
+}
+
+/// Runs `f` with `x (T, cols)` prepared for the kernels `weights` will use on
+/// this tier at this precision. Preparing is spread over `pool`, or done on
+/// the calling thread without one.
+fn with_prepared<R>(
+    pool: Option<&ThreadPool>,
+    isa: Isa,
+    precision: Precision,
+    x: &[f32],
+    cols: usize,
+    weights: &[MatRef],
+    f: impl FnOnce(&Prepared) -> R,
+) -> R {
+    let want_amx = weights.iter().any(|w| on_amx(isa, precision, w));
+    let want_bf16 = weights.iter().any(|w| fast_bf16(isa, precision, w));
+    let want_int8 = weights.iter().any(|w| fast_int8(isa, precision, w));
+    PACKED.with(|packed| {
+        ROUNDED.with(|rounded| {
+            QUANTIZED.with(|quantized| {
+                let (mut packed, mut rounded, mut quantized) =
+                    (packed.borrow_mut(), rounded.borrow_mut(), quantized.borrow_mut());
+                let prepared = Prepared {
+                    amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
+                    bf16: want_bf16
+                        .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
+                    int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
+                };
+                f(&prepared)
+            })
+        })
+    })
+}
+
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread: whole 32-row pairs on
-/// AMX when `packed` is given and W's dtype allows, the rest (and everything
-/// on other tiers) with the f32 micro-kernel.
-fn product_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], packed: Option<&amx::Packed>, out: &Out) {
-    if let Some(packed) = packed.filter(|_| amx::handles(&w)) {
+/// AMX when packed and W's type allows, BF16 weights on the fast BF16
+/// kernels when prepared for them, the rest (and everything on other tiers)
+/// with the f32 micro-kernel.
+fn product_rows(
+    isa: Isa,
+    precision: Precision,
+    w: MatRef,
+    rows: std::ops::Range<usize>,
+    x: &[f32],
+    prepared: &Prepared,
+    out: &Out,
+) {
+    if let Some(acts) = prepared.int8.as_ref().filter(|_| fast_int8(isa, precision, &w)) {
+        return with_weights!(w.weights, |F, data| gemm_int8::matmul_rows::<F>(isa, data, rows, acts, out));
+    }
+    if let Some(packed) = prepared.amx.as_ref().filter(|_| on_amx(isa, precision, &w)) {
         let end = rows.start + rows.len() / 32 * 32;
         if end > rows.start {
             amx::matmul_rows(isa, w, rows.start..end, packed, &amx::OutRef { data: &out.data, stride: out.stride });
@@ -192,13 +286,23 @@ fn product_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], pa
         }
         return;
     }
+    if let (Some(acts), Weights::Bf16(v)) = (prepared.bf16.as_ref(), w.weights) {
+        if fast_bf16(isa, precision, &w) {
+            return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
+        }
+    }
     matmul_rows(isa, w, rows, x, out)
 }
 
 /// Several products with the same input as one parallel section (q/k/v):
 /// `Y_i (T, rows_i) = X (T, cols) @ W_iᵀ`, each thread taking a contiguous
 /// share of the concatenated rows.
-pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mut [f32]); N]) {
+pub fn matmuls<const N: usize>(
+    pool: &ThreadPool,
+    precision: Precision,
+    x: &[f32],
+    jobs: [(MatRef, &mut [f32]); N],
+) {
     let isa = Isa::active();
     let mut total = 0;
     for (w, y) in &jobs {
@@ -210,14 +314,14 @@ pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
     let cols = jobs[0].0.cols;
     let jobs = jobs.map(|(w, y)| (w, Out::new(y, w.rows)));
     let weights: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
-    with_packed(Some(pool), isa, x, cols, &weights, |packed| {
+    with_prepared(Some(pool), isa, precision, x, cols, &weights, |prepared| {
         pool.run(|th, n| {
             let (a, b) = pool::share(total, th, n, ALIGN);
             let mut offset = 0;
             for (w, out) in &jobs {
                 let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
                 if lo < hi {
-                    product_rows(isa, *w, lo - offset..hi - offset, x, packed, out);
+                    product_rows(isa, precision, *w, lo - offset..hi - offset, x, prepared, out);
                 }
                 offset += w.rows;
             }
@@ -226,24 +330,34 @@ pub fn matmuls<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
 }
 
 /// `Y (T, rows) = X (T, cols) @ Wᵀ` with the active tier, rows split across `pool`.
-pub fn matmul(pool: &ThreadPool, w: MatRef, x: &[f32], y: &mut [f32]) {
-    matmuls(pool, x, [(w, y)]);
+pub fn matmul(pool: &ThreadPool, precision: Precision, w: MatRef, x: &[f32], y: &mut [f32]) {
+    matmuls(pool, precision, x, [(w, y)]);
 }
 
 /// `Y (T, rows) = X @ Wᵀ` on the calling thread with the given tier.
-pub fn matmul_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
+pub fn matmul_with(isa: Isa, precision: Precision, w: MatRef, x: &[f32], y: &mut [f32]) {
     let t = x.len() / w.cols;
     assert_eq!(x.len(), t * w.cols, "x is (T, cols)");
     assert_eq!(y.len(), t * w.rows, "y is (T, rows)");
     let out = Out::new(y, w.rows);
-    with_packed(None, isa, x, w.cols, &[w], |packed| product_rows(isa, w, 0..w.rows, x, packed, &out));
+    with_prepared(None, isa, precision, x, w.cols, &[w], |prepared| {
+        product_rows(isa, precision, w, 0..w.rows, x, prepared, &out)
+    });
 }
 
 /// SwiGLU's first half for a block: `out = silu(X @ gateᵀ) * (X @ upᵀ)`.
 /// `x (T, cols)`, `out` and `up_scratch (T, rows)`. Each thread computes the
 /// same share of rows of both products, then gates its own columns, so the
 /// pool runs once.
-pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_scratch: &mut [f32], out: &mut [f32]) {
+pub fn matmul_swiglu(
+    pool: &ThreadPool,
+    precision: Precision,
+    gate: MatRef,
+    up: MatRef,
+    x: &[f32],
+    up_scratch: &mut [f32],
+    out: &mut [f32],
+) {
     assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "gate and up shapes");
     let (rows, cols) = (gate.rows, gate.cols);
     let t = x.len() / cols;
@@ -252,14 +366,14 @@ pub fn matmul_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], up_
     assert_eq!(up_scratch.len(), t * rows, "up_scratch is (T, rows)");
     let isa = Isa::active();
     let (g, u) = (Out::new(out, rows), Out::new(up_scratch, rows));
-    with_packed(Some(pool), isa, x, cols, &[gate, up], |packed| {
+    with_prepared(Some(pool), isa, precision, x, cols, &[gate, up], |prepared| {
         pool.run(|th, n| {
             let (a, b) = pool::share(rows, th, n, ALIGN);
             if a == b {
                 return;
             }
-            product_rows(isa, gate, a..b, x, packed, &g);
-            product_rows(isa, up, a..b, x, packed, &u);
+            product_rows(isa, precision, gate, a..b, x, prepared, &g);
+            product_rows(isa, precision, up, a..b, x, prepared, &u);
             for i in 0..t {
                 // SAFETY: this thread owns columns a..b of every row.
                 let (gs, us) =
@@ -372,27 +486,64 @@ mod tests {
             }
             for weights in all {
                 let m = MatRef::new(weights, rows, cols);
-                let mut want = vec![0.0; t * rows];
-                matmul_scalar(m, &x, &mut want);
+                let mut exact = vec![0.0; t * rows];
+                matmul_scalar(m, &x, &mut exact);
                 for isa in Isa::supported() {
-                    let mut y = vec![f32::NAN; t * rows];
-                    matmul_with(isa, m, &x, &mut y);
-                    for (a, b) in y.iter().zip(&want) {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * (cols as f32).max(1.0),
-                            "{isa:?} {rows}x{cols} t={t}: {a} vs {b}"
-                        );
+                    for precision in Precision::ALL {
+                        // What this tier computes at this precision: the exact
+                        // product, or the fast BF16 kernels' twin.
+                        let want = match weights {
+                            Weights::Int8(q) if fast_int8(isa, precision, &m) => {
+                                int8_reference::<crate::formats::Int8>(q, &x, cols, rows)
+                            }
+                            Weights::Int4(q) if fast_int8(isa, precision, &m) => {
+                                int8_reference::<crate::formats::Int4>(q, &x, cols, rows)
+                            }
+                            Weights::Bf16(v) if fast_bf16(isa, precision, &m) => {
+                                let mut buf = Vec::new();
+                                let acts = gemm_bf16::prepare(Isa::scalar(), None, &x, cols, gemm_bf16::FAST_TERMS, &mut buf);
+                                let mut want = vec![0.0; t * rows];
+                                gemm_bf16::matmul_reference(v, cols, &acts, &mut want);
+                                want
+                            }
+                            _ => exact.clone(),
+                        };
+                        let mut y = vec![f32::NAN; t * rows];
+                        matmul_with(isa, precision, m, &x, &mut y);
+                        for (a, b) in y.iter().zip(&want) {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * (cols as f32).max(1.0),
+                                "{isa:?} {precision:?} {rows}x{cols} t={t}: {a} vs {b}"
+                            );
+                        }
                     }
                 }
                 for threads in [1, 2, 3] {
-                    let mut y = vec![f32::NAN; t * rows];
-                    matmul(&ThreadPool::new(threads), m, &x, &mut y);
-                    let mut serial = vec![0.0; t * rows];
-                    matmul_with(Isa::active(), m, &x, &mut serial);
-                    assert_eq!(y, serial, "threads={threads}");
+                    for precision in Precision::ALL {
+                        let mut y = vec![f32::NAN; t * rows];
+                        matmul(&ThreadPool::new(threads), precision, m, &x, &mut y);
+                        let mut serial = vec![0.0; t * rows];
+                        matmul_with(Isa::active(), precision, m, &x, &mut serial);
+                        assert_eq!(y, serial, "threads={threads} {precision:?}");
+                    }
                 }
             }
         }
+    }
+
+    /// The integer kernels' specification: int8 activations, the decoding
+    /// kernels' reference dot product.
+    fn int8_reference<F: Format<Act = crate::formats::BlockA8>>(
+        q: &[F::Block],
+        x: &[f32],
+        cols: usize,
+        rows: usize,
+    ) -> Vec<f32> {
+        let mut buf = Vec::new();
+        let acts = gemm_int8::prepare(Isa::scalar(), None, x, cols, &mut buf);
+        let mut want = vec![0.0; x.len() / cols * rows];
+        gemm_int8::matmul_reference::<F>(q, &acts, &mut want);
+        want
     }
 
     #[test]
@@ -402,12 +553,12 @@ mod tests {
         let x = synth(t * cols, 13);
         let (gm, um) = (MatRef::new(Weights::F32(&g), rows, cols), MatRef::new(Weights::F32(&u), rows, cols));
         let (mut gy, mut uy) = (vec![0.0; t * rows], vec![0.0; t * rows]);
-        matmul_with(Isa::active(), gm, &x, &mut gy);
-        matmul_with(Isa::active(), um, &x, &mut uy);
+        matmul_with(Isa::active(), Precision::Fast, gm, &x, &mut gy);
+        matmul_with(Isa::active(), Precision::Fast, um, &x, &mut uy);
         let want: Vec<f32> = gy.iter().zip(&uy).map(|(g, u)| crate::ops::silu(*g) * u).collect();
         for threads in [1, 2, 4] {
             let (mut out, mut scratch) = (vec![0.0; t * rows], vec![0.0; t * rows]);
-            matmul_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut scratch, &mut out);
+            matmul_swiglu(&ThreadPool::new(threads), Precision::Fast, gm, um, &x, &mut scratch, &mut out);
             assert_eq!(out, want, "threads={threads}");
         }
     }
@@ -434,10 +585,10 @@ mod tests {
         let (ma, mb) = (MatRef::new(Weights::F32(&wa), 12, cols), MatRef::new(Weights::F32(&wb), 8, cols));
         let pool = ThreadPool::new(2);
         let (mut ya, mut yb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
-        matmuls(&pool, &x, [(ma, &mut ya[..]), (mb, &mut yb[..])]);
+        matmuls(&pool, Precision::Fast, &x, [(ma, &mut ya[..]), (mb, &mut yb[..])]);
         let (mut ra, mut rb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
-        matmul_with(Isa::active(), ma, &x, &mut ra);
-        matmul_with(Isa::active(), mb, &x, &mut rb);
+        matmul_with(Isa::active(), Precision::Fast, ma, &x, &mut ra);
+        matmul_with(Isa::active(), Precision::Fast, mb, &x, &mut rb);
         assert_eq!((ya, yb), (ra, rb));
     }
 }

@@ -233,6 +233,17 @@ impl<'a, T> SharedMut<'a, T> {
         assert!(start <= end && end <= self.len);
         std::slice::from_raw_parts_mut(self.ptr.add(start), end - start)
     }
+
+    /// A raw pointer to element `start`, for kernels that write scattered
+    /// lanes of `start..end` (masked stores) without taking a reference to
+    /// the whole range, which other threads write between.
+    ///
+    /// # Safety
+    /// Elements written concurrently must not overlap.
+    pub unsafe fn ptr(&self, start: usize, end: usize) -> *mut T {
+        assert!(start <= end && end <= self.len);
+        self.ptr.add(start)
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! memory read bandwidth of the machine over the model's own weights.
 
 use crate::error::Result;
-use crate::qwen2::Qwen2;
+use crate::kv_cache::KvCache;
+use crate::qwen2::{BatchToken, Qwen2, Scratch};
 use std::time::{Duration, Instant};
 
 /// Deterministic token ids spread over the vocabulary (what they are does
@@ -36,6 +37,35 @@ pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
     let start = Instant::now();
     for &t in &tokens {
         state.run(model, &[t], true)?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Time for `sequences` sequences to decode `n` tokens each together, each
+/// after its own `prompt`-token prompt (processed first, not timed): one
+/// forward pass per step with one token of every sequence, logits for all,
+/// as a server batching its users does. Aggregate rate: `sequences · n /
+/// time`.
+pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize, n: usize) -> Result<Duration> {
+    let tokens = bench_tokens(model, sequences * (prompt + n) + sequences);
+    let mut caches: Vec<KvCache> = (0..sequences).map(|_| model.new_cache(prompt + n)).collect();
+    let mut scratch = Scratch::default();
+    for (s, cache) in caches.iter_mut().enumerate() {
+        // Each sequence its own prompt, so no two caches are alike.
+        let ids = &tokens[s * (prompt + n) + s..][..prompt];
+        let batch: Vec<BatchToken> =
+            ids.iter().enumerate().map(|(pos, &token)| BatchToken { token, seq: 0, pos, logits: false }).collect();
+        if !batch.is_empty() {
+            model.forward(&batch, &mut [cache], &mut scratch)?;
+        }
+    }
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let start = Instant::now();
+    for step in 0..n {
+        let batch: Vec<BatchToken> = (0..sequences)
+            .map(|s| BatchToken { token: tokens[s * (prompt + n) + s + prompt + step], seq: s, pos: prompt + step, logits: true })
+            .collect();
+        model.forward(&batch, &mut refs, &mut scratch)?;
     }
     Ok(start.elapsed())
 }

@@ -38,7 +38,7 @@ pub mod weights;
 pub mod eval;
 pub mod quantize;
 pub use config::{Config, GenerationConfig};
-pub use ember_kernels::WeightType;
+pub use ember_kernels::{Precision, WeightType};
 pub use ember_sample::{Sampler, SamplerConfig};
 pub use error::{Error, Result};
 pub use generate::{

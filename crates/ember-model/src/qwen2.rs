@@ -23,7 +23,7 @@ use crate::weights::{Tensor, TensorStore};
 use ember_kernels::attention::{attention, AttnShape};
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
 use ember_kernels::pool;
-use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, WeightType};
+use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType};
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {
@@ -202,6 +202,11 @@ pub struct Qwen2 {
     pub norm: Vec<f32>,
     /// `lm_head.weight`, or the embedding itself when tied or absent.
     pub lm_head: Tensor,
+    /// How the matrix products of a batch (prefill, several sequences)
+    /// round activations: [`Precision::Fast`] by default, whose loss is
+    /// measured against [`Precision::Exact`] (ARCHITECTURE.md, precision
+    /// policy). Single-token decode is unaffected.
+    pub precision: Precision,
     rope: Rope,
 }
 
@@ -239,7 +244,7 @@ impl Qwen2 {
             store.get("lm_head.weight", &[c.vocab_size, h])?
         };
         let rope = Rope::new(c.head_dim, c.rope_theta);
-        Ok(Qwen2 { config, embed_tokens, layers, norm, lm_head, rope })
+        Ok(Qwen2 { config, embed_tokens, layers, norm, lm_head, precision: Precision::default(), rope })
     }
 
     /// Quantizes the weight matrices in place, each to the type `policy`
@@ -342,7 +347,7 @@ impl Qwen2 {
                 [(a.q_proj.matrix(), &mut qb[..]), (a.k_proj.matrix(), &mut kb[..]), (a.v_proj.matrix(), &mut vb[..])];
             match t {
                 1 => matvecs(pool, hb, qkv),
-                _ => matmuls(pool, hb, qkv),
+                _ => matmuls(pool, self.precision, hb, qkv),
             }
             a.q_proj.add_bias(qb);
             a.k_proj.add_bias(kb);
@@ -369,7 +374,7 @@ impl Qwen2 {
             let (gp, up_p) = (m.gate_proj.matrix(), m.up_proj.matrix());
             match t {
                 1 => matvec_swiglu(pool, gp, up_p, hb, gate),
-                _ => matmul_swiglu(pool, gp, up_p, hb, up, gate),
+                _ => matmul_swiglu(pool, self.precision, gp, up_p, hb, up, gate),
             }
             self.project(&m.down_proj, gate, hb);
             add_assign(x, hb);
@@ -389,7 +394,7 @@ impl Qwen2 {
         match n {
             0 => {}
             1 => matvec(self.lm_head.matrix(), normed, logits),
-            _ => matmul(pool, self.lm_head.matrix(), normed, logits),
+            _ => matmul(pool, self.precision, self.lm_head.matrix(), normed, logits),
         }
         Ok(&s.logits[..n * vocab])
     }
@@ -400,7 +405,7 @@ impl Qwen2 {
         if x.len() == p.matrix().cols {
             matvec(p.matrix(), x, y);
         } else {
-            matmul(pool::global(), p.matrix(), x, y);
+            matmul(pool::global(), self.precision, p.matrix(), x, y);
         }
         p.add_bias(y);
     }

@@ -13,7 +13,7 @@
 //! error of the fixed `max / −8` rule.
 
 use super::act::{BlockA8, QK_A8};
-use super::{reference_kernels, Format, Kernels, WeightType, Weights};
+use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
 
@@ -82,16 +82,22 @@ impl Format for Int4 {
         s
     }
 
+    /// The nibbles themselves, offset 8.
+    fn codes(b: &BlockQ4) -> Option<Codes> {
+        let u = std::array::from_fn(|j| if j < QK / 2 { b.qs[j] & 15 } else { b.qs[j - QK / 2] >> 4 });
+        Some(Codes { d: b.d.to_f32(), u, offset: 8 })
+    }
+
     fn kernels(tier: Tier) -> Kernels<Int4> {
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::Avx512 | Tier::Amx => {
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx2 as k;
                 Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: k::dequantize_q4 }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
         }
     }
 }

@@ -6,7 +6,7 @@
 //! | [`BlockQ8`] `d: f16, qs: [i8; 32]` | 34 | `d · qs[j]`, `qs` in −127..=127 |
 
 use super::act::{BlockA8, QK_A8};
-use super::{reference_kernels, Format, Kernels, WeightType, Weights};
+use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
 
@@ -80,16 +80,21 @@ impl Format for Int8 {
         s
     }
 
+    /// `u = q + 128` (the sign bit flipped), offset 128.
+    fn codes(b: &BlockQ8) -> Option<Codes> {
+        Some(Codes { d: b.d.to_f32(), u: b.qs.map(|q| (q as u8) ^ 0x80), offset: 128 })
+    }
+
     fn kernels(tier: Tier) -> Kernels<Int8> {
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::Avx512 | Tier::Amx => {
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx2 as k;
                 Kernels { dot: k::dot_q8, rows4: k::rows4_q8, dequantize: k::dequantize_q8 }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::Avx512 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
         }
     }
 }

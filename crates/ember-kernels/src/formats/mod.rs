@@ -147,6 +147,14 @@ pub trait Format: Sized + 'static {
     /// The kernels a tier runs for this type. Matches every tier by name.
     fn kernels(tier: Tier) -> Kernels<Self>;
 
+    /// For rows read by int8 activations: a block as unsigned byte codes,
+    /// weight `j` = `d · (u[j] − offset)`, the operand the integer matrix
+    /// products ([`crate::gemm_int8`]) multiply with int8 activations.
+    /// `None` for the float rows.
+    fn codes(_block: &Self::Block) -> Option<Codes> {
+        None
+    }
+
     /// [`Format::dot_reference`] with `isa`'s kernel.
     fn dot(isa: Isa, w: &[Self::Block], x: &[Self::Act]) -> f32 {
         assert_eq!(w.len() * Self::BLOCK_LEN, x.len() * Self::Act::BLOCK_LEN, "row and activation lengths");
@@ -161,6 +169,14 @@ pub trait Format: Sized + 'static {
         // SAFETY: as above.
         unsafe { (Self::kernels(isa.tier()).dequantize)(src, dst) }
     }
+}
+
+/// A block of 32 weights as unsigned codes: weight `j` = `d · (u[j] − offset)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Codes {
+    pub d: f32,
+    pub u: [u8; QK_A8],
+    pub offset: i32,
 }
 
 /// One tier's kernels for a weight type. Each requires the CPU to have the

@@ -1,0 +1,581 @@
+//! Prefill products over BF16 weights at BF16 speed, for
+//! [`Precision::Fast`](crate::matmul::Precision::Fast) on the AVX512-BF16 tier.
+//!
+//! `vdpbf16ps` multiplies 32 BF16 pairs and adds them into 16 f32 lanes (two
+//! products per lane): twice the multiply-adds of an f32 FMA per
+//! instruction. BF16 weights are BF16 already; the activations are rounded
+//! once per product to one or two BF16 terms ([`FAST_TERMS`] at fast
+//! precision), `x ≈ x0 + x1`, each term the
+//! remainder so far rounded to nearest-even (one term keeps 8 significant
+//! bits, two keep 16). Products of BF16 numbers are exact in f32 and are
+//! accumulated in f32, so the rounding of `x` is the only loss: what the
+//! precision policy in ARCHITECTURE.md measures.
+//!
+//! **Layout** (a GEMM in the BLIS style, vectorised over weight rows). Each
+//! thread packs [`PANEL`] = 32 weight rows at a time into a panel of column
+//! pairs (`panel[p][r]` = row `r`'s columns `2p, 2p+1` as one 32-bit word:
+//! the pair `vdpbf16ps` multiplies in one lane), then runs a 32-row ×
+//! (up to) 12-token micro-kernel over every token: per column pair, two
+//! panel loads, one broadcast per token and term, and `2 · 12 · terms`
+//! `vdpbf16ps` into 24 accumulators that hold outputs, so there are no
+//! horizontal sums and each tile is stored as rows of 16 floats. The panel
+//! (32 × cols × 2 bytes, 311 KB for down_proj) stays in L2 while all tokens
+//! pass; the activations stream from L2/L3, each 32-bit word serving 64
+//! multiply-adds.
+//!
+//! The reference twin ([`matmul_reference`]) computes the same sums one
+//! product at a time, in f32, from the same rounded terms.
+
+use crate::cpu::{Isa, Tier};
+use crate::matmul::Out;
+use crate::pool::{SharedMut, ThreadPool};
+use half::bf16;
+use std::cell::RefCell;
+
+/// Most BF16 terms per activation: one keeps 8 significant bits, two 16
+/// (within 2⁻¹⁶ of f32), at twice the instructions.
+pub const MAX_TERMS: usize = 2;
+/// BF16 terms per activation at [`Precision::Fast`](crate::matmul::Precision).
+pub const FAST_TERMS: usize = 1;
+/// Weight rows per panel: two 16-lane registers.
+pub const PANEL: usize = 32;
+/// Most tokens per micro-kernel call: 2 × 12 accumulators of 32 registers.
+const NR: usize = 12;
+
+/// `x` rounded to the nearest BF16 (ties to even), as bits. Finite inputs.
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+#[inline]
+pub fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// `x` as `N` BF16 terms, largest first: each term is what the earlier ones
+/// left over, rounded to BF16.
+#[inline]
+pub fn terms<const N: usize>(x: f32) -> [u16; N] {
+    let mut rest = x;
+    std::array::from_fn(|_| {
+        let b = bf16_bits(rest);
+        rest -= bf16_value(b);
+        b
+    })
+}
+
+/// Activations `X (T, cols)` rounded for the kernel: for each token, `terms`
+/// rows of `pairs` words, word `p` of term row `k` holding term `k` of
+/// columns `2p` (low half) and `2p + 1` (high half; zero past an odd `cols`).
+pub struct Acts<'a> {
+    words: &'a [u32],
+    tokens: usize,
+    pairs: usize,
+    terms: usize,
+}
+
+impl Acts<'_> {
+    fn token(&self, t: usize) -> &[u32] {
+        let n = self.pairs * self.terms;
+        &self.words[t * n..(t + 1) * n]
+    }
+
+    /// BF16 terms per activation.
+    pub fn terms(&self) -> usize {
+        self.terms
+    }
+}
+
+/// Whether the fast BF16 kernels can run on `isa`: the tiers with
+/// `vdpbf16ps`, by name.
+pub fn available(isa: Isa) -> bool {
+    match isa.tier() {
+        Tier::Scalar | Tier::Avx2 | Tier::Avx512 => false,
+        Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+    }
+}
+
+/// Whether `vdpbf16ps` multiplies faster than the f32 FMA on this CPU, which
+/// differs by microarchitecture, not by feature flags: on Zen 4 it does
+/// twice the FMA's multiply-adds, on a Sapphire/Emerald Rapids Xeon
+/// measured here half (1.3 G instructions/s against 5.4 G FMAs/s per core),
+/// where the exact f32 kernels are the faster ones. Measured once per
+/// process (about a millisecond, best of five), with a 1.2× margin;
+/// `EMBER_BF16_DOT=on|off` decides instead (the quality of the fast BF16
+/// path can then be measured on any CPU that has the instruction).
+pub fn pays_off() -> bool {
+    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAYS.get_or_init(|| match std::env::var("EMBER_BF16_DOT").as_deref() {
+        Ok("on") => true,
+        Ok("off") => false,
+        _ => measure_pays_off(),
+    })
+}
+
+fn measure_pays_off() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = Isa::supported().into_iter().find(|&i| available(i)) {
+        let _ = isa;
+        let best = |f: unsafe fn(usize) -> f32| {
+            (0..5)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    // SAFETY: AVX-512F and AVX512-BF16 are present (`isa`).
+                    std::hint::black_box(unsafe { f(20_000) });
+                    start.elapsed()
+                })
+                .min()
+                .unwrap_or_default()
+        };
+        // Each loop does 12 × 20 000 instructions: 16 multiply-adds per
+        // FMA, 32 per `vdpbf16ps`.
+        let (fma, dot) = (best(avx512::fma_loop), best(avx512::dpbf16_loop));
+        return 32.0 / dot.as_secs_f64() > 1.2 * 16.0 / fma.as_secs_f64();
+    }
+    false
+}
+
+/// Rounds one token's activations `x (cols,)` into `dst (terms · pairs,)`.
+fn round_token(isa: Isa, x: &[f32], dst: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if available(isa) {
+        // SAFETY: the tier has AVX-512F and AVX512-BF16 (`isa` is the proof).
+        return unsafe { avx512::round_token(x, dst) };
+    }
+    let _ = isa;
+    round_token_reference(x, dst)
+}
+
+/// The reference for the SIMD rounding: [`terms`] per value.
+fn round_token_reference(x: &[f32], dst: &mut [u32]) {
+    let pairs = x.len().div_ceil(2);
+    let n = dst.len() / pairs;
+    assert!(dst.len() == n * pairs && (1..=MAX_TERMS).contains(&n));
+    for p in 0..pairs {
+        let lo = terms::<MAX_TERMS>(x[2 * p]);
+        let hi = x.get(2 * p + 1).map_or([0; MAX_TERMS], |&v| terms::<MAX_TERMS>(v));
+        for k in 0..n {
+            dst[k * pairs + p] = lo[k] as u32 | (hi[k] as u32) << 16;
+        }
+    }
+}
+
+/// Rounds `x (T, cols)` to `terms` BF16 terms (1 or 2) into `buf`,
+/// spreading tokens over `pool` (or on the calling thread without one), and
+/// returns the kernel's view.
+pub fn prepare<'b>(
+    isa: Isa,
+    pool: Option<&ThreadPool>,
+    x: &[f32],
+    cols: usize,
+    terms: usize,
+    buf: &'b mut Vec<u32>,
+) -> Acts<'b> {
+    let t = x.len() / cols;
+    assert_eq!(x.len(), t * cols, "x is (T, cols)");
+    assert!((1..=MAX_TERMS).contains(&terms), "1 or 2 BF16 terms");
+    let pairs = cols.div_ceil(2);
+    let per = pairs * terms;
+    buf.resize(t * per, 0);
+    {
+        let out = SharedMut::new(&mut buf[..]);
+        let work = |th, n| {
+            let (a, b) = crate::pool::share(t, th, n, 1);
+            for i in a..b {
+                // SAFETY: threads take disjoint token ranges.
+                round_token(isa, &x[i * cols..(i + 1) * cols], unsafe { out.range(i * per, (i + 1) * per) });
+            }
+        };
+        match pool {
+            Some(pool) if t > 1 => pool.run(work),
+            _ => work(0, 1),
+        }
+    }
+    Acts { words: &buf[..], tokens: t, pairs, terms }
+}
+
+/// One cache line of a panel.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+thread_local! {
+    /// Each thread's packed panel, reused across calls.
+    static PANEL_BUF: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Packs rows `rows` (at most [`PANEL`]) of `w (rows, cols)` into `panel`:
+/// two lines per column pair, rows past the end zero. 16 whole rows × 16
+/// pairs at a time are a 16 × 16 word transpose in registers.
+fn pack_panel(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, panel: &mut [Line]) {
+    let pairs = cols.div_ceil(2);
+    debug_assert!(rows.len() <= PANEL && panel.len() == 2 * pairs);
+    let mut done = [0usize; 2]; // pairs packed by SIMD, per line
+    #[cfg(target_arch = "x86_64")]
+    if available(isa) && cols % 2 == 0 {
+        for (line, d) in done.iter_mut().enumerate() {
+            let first = rows.start + 16 * line;
+            if first + 16 <= rows.end {
+                *d = pairs / 16 * 16;
+                // SAFETY: AVX-512F is present (`available`); rows
+                // `first..first + 16` exist and have `pairs` words each.
+                unsafe { avx512::pack_line(w[first * cols..].as_ptr() as *const u32, pairs, *d, panel, line) };
+            }
+        }
+    }
+    let _ = isa;
+    for (i, r) in rows.clone().enumerate() {
+        let row = &w[r * cols..(r + 1) * cols];
+        let (line, lane) = (i / 16, i % 16);
+        for p in done[line]..pairs {
+            let lo = row[2 * p].to_bits() as u32;
+            let hi = row.get(2 * p + 1).map_or(0, |v| v.to_bits() as u32);
+            panel[2 * p + line].0[lane] = lo | hi << 16;
+        }
+    }
+    for i in rows.len()..PANEL {
+        let (line, lane) = (i / 16, i % 16);
+        for p in 0..pairs {
+            panel[2 * p + line].0[lane] = 0;
+        }
+    }
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` on the calling thread, `w (·, cols)` BF16,
+/// `x` from [`prepare`]. Writes `y[t][r]` for `r` in `rows`, every token.
+pub fn matmul_rows(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, x: &Acts, out: &Out) {
+    assert!(available(isa), "the fast BF16 kernels need the AVX512-BF16 tier");
+    assert!(x.pairs == cols.div_ceil(2) && rows.end * cols <= w.len());
+    let pairs = x.pairs;
+    PANEL_BUF.with(|buf| {
+        let mut panel = buf.borrow_mut();
+        panel.resize(2 * pairs, Line([0; 16]));
+        for r0 in rows.clone().step_by(PANEL) {
+            let r1 = (r0 + PANEL).min(rows.end);
+            pack_panel(isa, w, cols, r0..r1, &mut panel);
+            let valid = r1 - r0;
+            let masks = [mask(valid.min(16)), mask(valid.saturating_sub(16))];
+            for t0 in (0..x.tokens).step_by(NR) {
+                let n = NR.min(x.tokens - t0);
+                let y_end = (t0 + n - 1) * out.stride + r1;
+                // SAFETY: this thread owns columns `rows` of every output
+                // row, and the kernel writes only the `valid` lanes at
+                // `r0..r1` of rows `t0..t0 + n`.
+                let y = unsafe { out.data.ptr(t0 * out.stride + r0, y_end) };
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512F and AVX512-BF16 are present (`available`);
+                // the panel holds `pairs` pairs of 32 rows, the activations
+                // `n` tokens from `t0`, and `y` reaches the last lane written.
+                unsafe {
+                    avx512::tile(n, x.terms, panel.as_ptr() as *const u32, pairs, &x.words[t0 * pairs * x.terms..], y, out.stride, masks)
+                };
+            }
+        }
+    });
+}
+
+fn mask(n: usize) -> u16 {
+    ((1u32 << n) - 1) as u16
+}
+
+/// The reference: `y[t][r] = Σ_k w[r][k] · Σ_term x_term[t][k]`, one
+/// product at a time in f32, from the same rounded activations.
+/// `w (rows, cols)`, `y (T, rows)`.
+pub fn matmul_reference(w: &[bf16], cols: usize, x: &Acts, y: &mut [f32]) {
+    let rows = w.len() / cols;
+    assert_eq!(y.len(), x.tokens * rows);
+    for t in 0..x.tokens {
+        let xt = x.token(t);
+        for r in 0..rows {
+            let row = &w[r * cols..(r + 1) * cols];
+            let mut s = 0.0f32;
+            for (k, wk) in row.iter().enumerate() {
+                for term in 0..x.terms {
+                    let word = xt[term * x.pairs + k / 2];
+                    let bits = if k % 2 == 0 { word as u16 } else { (word >> 16) as u16 };
+                    s += wk.to_f32() * bf16_value(bits);
+                }
+            }
+            y[t * rows + r] = s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MAX_TERMS, NR};
+    use std::arch::x86_64::*;
+
+    #[cfg(test)]
+    pub fn transpose_for_test(r: [[u32; 16]; 16]) -> [[u32; 16]; 16] {
+        // SAFETY: only called when AVX-512F is present.
+        unsafe {
+            let v = transpose16(std::array::from_fn(|i| std::mem::transmute::<[u32; 16], __m512i>(r[i])));
+            v.map(|x| std::mem::transmute::<__m512i, [u32; 16]>(x))
+        }
+    }
+
+    /// One token's activations: 16 values at a time rounded to BF16 terms
+    /// by `vcvtneps2bf16` (nearest-even, as [`super::bf16_bits`]), then
+    /// interleaved into (column pair, term) words.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn round_token(x: &[f32], dst: &mut [u32]) {
+        let cols = x.len();
+        let pairs = cols.div_ceil(2);
+        let n = dst.len() / pairs;
+        assert!(dst.len() == n * pairs && (1..=MAX_TERMS).contains(&n));
+        let mut k = 0;
+        while k + 16 <= cols {
+            let mut rest = _mm512_loadu_ps(x.as_ptr().add(k));
+            for term in 0..n {
+                let bits: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(rest));
+                rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits))));
+                _mm256_storeu_si256(dst.as_mut_ptr().add(term * pairs + k / 2) as *mut __m256i, bits);
+            }
+            k += 16;
+        }
+        // The ragged end (cols not a multiple of 16), as the reference does.
+        for p in k / 2..pairs {
+            let lo = super::terms::<MAX_TERMS>(x[2 * p]);
+            let hi = x.get(2 * p + 1).map_or([0; MAX_TERMS], |&v| super::terms::<MAX_TERMS>(v));
+            for term in 0..n {
+                dst[term * pairs + p] = lo[term] as u32 | (hi[term] as u32) << 16;
+            }
+        }
+    }
+
+    /// `n` rounds of 12 independent FMAs, for [`super::pays_off`].
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_loop(n: usize) -> f32 {
+        let (x, y) = (_mm512_set1_ps(std::hint::black_box(1.0001)), _mm512_set1_ps(0.9999));
+        let mut a = [_mm512_setzero_ps(); 12];
+        for _ in 0..n {
+            for v in a.iter_mut() {
+                *v = _mm512_fmadd_ps(x, y, *v);
+            }
+        }
+        a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+
+    /// `n` rounds of 12 independent `vdpbf16ps`, for [`super::pays_off`].
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn dpbf16_loop(n: usize) -> f32 {
+        let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3f80_3f80)));
+        let mut a = [_mm512_setzero_ps(); 12];
+        for _ in 0..n {
+            for v in a.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, x, x);
+            }
+        }
+        a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+
+    /// Packs line `line` (rows 16·line..) of a panel from 16 whole rows at
+    /// `w` (`pairs` words apart), pairs `0..upto` (a multiple of 16).
+    ///
+    /// # Safety
+    /// AVX-512F; 16 rows of `pairs` words at `w`; `panel` of `2 · pairs` lines.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pack_line(w: *const u32, pairs: usize, upto: usize, panel: &mut [super::Line], line: usize) {
+        debug_assert!(upto % 16 == 0 && upto <= pairs && panel.len() >= 2 * pairs);
+        for p0 in (0..upto).step_by(16) {
+            let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(w.add(i * pairs + p0) as *const _));
+            let out = transpose16(r);
+            for (j, v) in out.iter().enumerate() {
+                _mm512_store_si512(panel.as_mut_ptr().add(2 * (p0 + j) + line) as *mut _, *v);
+            }
+        }
+    }
+
+    /// A 16 × 16 transpose of 32-bit words: `out[j]` lane `i` = `r[i]` lane
+    /// `j`. Words, then pairs of words, are interleaved within 128-bit lanes;
+    /// then a 4 × 4 transpose of the 128-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for k in 0..8 {
+            t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+            t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+        }
+        // u[4k + c], 128-bit lane l: rows 4k..4k+4 of column 4l + c.
+        let mut u = [_mm512_setzero_si512(); 16];
+        for k in 0..4 {
+            u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+            u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for c in 0..4 {
+            let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
+            let v0 = _mm512_shuffle_i32x4::<0x44>(a, b); // a0 a1 b0 b1
+            let v1 = _mm512_shuffle_i32x4::<0xEE>(a, b); // a2 a3 b2 b3
+            let v2 = _mm512_shuffle_i32x4::<0x44>(cc, d);
+            let v3 = _mm512_shuffle_i32x4::<0xEE>(cc, d);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(v0, v2); // a0 b0 c0 d0
+            out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v0, v2);
+            out[8 + c] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(v1, v3);
+        }
+        out
+    }
+
+    /// The micro-kernel for `n ≤ 12` tokens and `terms` BF16 terms:
+    /// `y[j][0..32] (masked) = panel · x[j]`.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX512-BF16; `panel` holds `pairs` × 32 words, `x` `n`
+    /// tokens of `terms · pairs` words from its start, `y` rows `j · y_stride`
+    /// up to the last unmasked lane.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn tile(
+        n: usize,
+        terms: usize,
+        panel: *const u32,
+        pairs: usize,
+        x: &[u32],
+        y: *mut f32,
+        y_stride: usize,
+        masks: [u16; 2],
+    ) {
+        macro_rules! by_n {
+            ($t:literal; $($n:literal)*) => {
+                match n {
+                    $($n => tile_n::<$n, $t>(panel, pairs, x.as_ptr(), y, y_stride, masks),)*
+                    _ => unreachable!("1..=NR tokens"),
+                }
+            };
+        }
+        debug_assert!(n >= 1 && n <= NR && x.len() >= n * terms * pairs);
+        match terms {
+            1 => by_n!(1; 1 2 3 4 5 6 7 8 9 10 11 12),
+            2 => by_n!(2; 1 2 3 4 5 6 7 8 9 10 11 12),
+            _ => unreachable!("1 or 2 terms"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn tile_n<const N: usize, const TERMS: usize>(
+        panel: *const u32,
+        pairs: usize,
+        x: *const u32,
+        y: *mut f32,
+        y_stride: usize,
+        masks: [u16; 2],
+    ) {
+        let stride = TERMS * pairs;
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for p in 0..pairs {
+            let w0: __m512bh = std::mem::transmute(_mm512_load_si512(panel.add(p * 32) as *const _));
+            let w1: __m512bh = std::mem::transmute(_mm512_load_si512(panel.add(p * 32 + 16) as *const _));
+            for (j, a) in acc.iter_mut().enumerate() {
+                for term in 0..TERMS {
+                    let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(*x.add(j * stride + term * pairs + p) as i32));
+                    a[0] = _mm512_dpbf16_ps(a[0], w0, b);
+                    a[1] = _mm512_dpbf16_ps(a[1], w1, b);
+                }
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(y.add(j * y_stride), masks[0], a[0]);
+            _mm512_mask_storeu_ps(y.add(j * y_stride + 16), masks[1], a[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::synth;
+
+    #[test]
+    fn terms_rebuild_the_value() {
+        for &x in &[1.0f32, -3.14159, 1e-20, 65504.0, 0.0, 123.456e10] {
+            let [a, b] = terms::<2>(x);
+            let approx = bf16_value(a) + bf16_value(b);
+            assert!((approx - x).abs() <= x.abs() * 2f32.powi(-16), "{x}: {approx}");
+        }
+    }
+
+    #[test]
+    fn every_tier_rounds_like_the_reference() {
+        for cols in [1, 2, 15, 16, 17, 33, 896] {
+            let x = synth(3 * cols, cols as u64);
+            let mut want = Vec::new();
+            for terms in 1..=MAX_TERMS {
+                let want = prepare(Isa::scalar(), None, &x, cols, terms, &mut want).words.to_vec();
+                for isa in Isa::supported() {
+                    let mut got = Vec::new();
+                    let got = prepare(isa, Some(&ThreadPool::new(2)), &x, cols, terms, &mut got).words.to_vec();
+                    assert_eq!(got, want, "{isa:?} cols={cols} terms={terms}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_transpose_transposes() {
+        if !Isa::supported().into_iter().any(available) {
+            return;
+        }
+        let r: [[u32; 16]; 16] = std::array::from_fn(|i| std::array::from_fn(|j| (i * 100 + j) as u32));
+        let t = avx512::transpose_for_test(r);
+        for i in 0..16 {
+            for j in 0..16 {
+                assert_eq!(t[j][i], r[i][j]);
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_matches_its_twin() {
+        let Some(isa) = Isa::supported().into_iter().find(|&i| available(i)) else {
+            eprintln!("no AVX512-BF16 here: the kernel is covered on machines that have it");
+            return;
+        };
+        // Ragged rows (mod 16, mod 32), tokens (mod 12) and odd columns.
+        for (rows, cols, t) in [(1, 2, 1), (5, 9, 2), (17, 33, 13), (64, 128, 25), (40, 896, 12), (96, 31, 30), (48, 100, 5)] {
+            let w: Vec<bf16> = synth(rows * cols, rows as u64).iter().map(|&v| bf16::from_f32(v)).collect();
+            let x = synth(t * cols, t as u64 + 5);
+            for terms in 1..=MAX_TERMS {
+            let mut buf = Vec::new();
+            let acts = prepare(isa, None, &x, cols, terms, &mut buf);
+            let mut want = vec![0.0; t * rows];
+            matmul_reference(&w, cols, &acts, &mut want);
+            // Split the rows between two "threads" at a panel boundary.
+            let mut y = vec![f32::NAN; t * rows];
+            let out = Out::new(&mut y, rows);
+            let mid = (rows / 2).div_ceil(PANEL) * PANEL;
+            let mid = mid.min(rows);
+            matmul_rows(isa, &w, cols, 0..mid, &acts, &out);
+            matmul_rows(isa, &w, cols, mid..rows, &acts, &out);
+            drop(out);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-5 * (cols as f32).max(1.0), "{rows}x{cols} t={t}: {a} vs {b}");
+            }
+            // The rounding itself: each activation within 2⁻⁹ (one term)
+            // or 2⁻¹⁷ (two) of itself, so each product too.
+            let mut exact = vec![0.0; t * rows];
+            for i in 0..t {
+                for r in 0..rows {
+                    exact[i * rows + r] = (0..cols).map(|k| w[r * cols + k].to_f32() * x[i * cols + k]).sum();
+                }
+            }
+            let bound = 2f32.powi(-8 * terms as i32 - 1);
+            for i in 0..t {
+                for r in 0..rows {
+                    let mass: f32 = (0..cols).map(|k| (w[r * cols + k].to_f32() * x[i * cols + k]).abs()).sum();
+                    let (a, b) = (want[i * rows + r], exact[i * rows + r]);
+                    assert!((a - b).abs() <= bound * mass + 1e-6 * cols as f32, "terms={terms}: {a} vs exact {b}");
+                }
+            }
+            }
+        }
+    }
+}
