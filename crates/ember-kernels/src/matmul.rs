@@ -21,6 +21,8 @@ use std::cell::RefCell;
 /// Tokens per block: `TOKEN_BLOCK × cols` f32 activations should fit in L2
 /// next to the weight panel (64 × 4864 × 4 B = 1.2 MB for down_proj).
 pub const TOKEN_BLOCK: usize = 64;
+/// How many panels ahead the weights are prefetched.
+const PREFETCH_PANELS: usize = 1;
 /// Most rows of W per panel (the micro-kernel's height).
 const MR: usize = 8;
 /// Most tokens per micro-kernel call (its width).
@@ -40,20 +42,21 @@ fn shape_for(isa: Isa) -> (usize, usize) {
 }
 
 /// A register-tiled micro-kernel: `acc[i][j] = panel[i] · xs[j]` for a fixed
-/// (rows, 3 tokens) tile. Requires its tier's features.
+/// (rows, tokens) tile. Requires its tier's features.
 type TileKernel = unsafe fn(&[f32], &[f32], usize, &mut [[f32; NR]; MR]);
 
-/// The micro-kernel a tier runs for a panel of `mr` rows and 3 tokens, if it
-/// has one of that height (partial panels at a share's end may be shorter).
-fn tile_kernel(isa: Isa, mr: usize) -> Option<TileKernel> {
+/// The micro-kernel a tier runs for a panel of `mr` rows and `nr` tokens, if
+/// it has one of that shape (partial panels at a share's end may be shorter;
+/// the last tokens of a block may be fewer than 3).
+fn tile_kernel(isa: Isa, mr: usize, nr: usize) -> Option<TileKernel> {
     match isa.tier() {
         Tier::Scalar => None,
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => (mr == 4).then_some(avx2::tile_4x3 as TileKernel),
+        Tier::Avx2 => (mr == 4).then(|| avx2::tile_4xn(nr)).flatten(),
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => match mr {
-            8 => Some(avx512::tile_8x3 as TileKernel),
-            4 => Some(avx2::tile_4x3 as TileKernel),
+            8 => avx512::tile_8xn(nr),
+            4 => avx2::tile_4xn(nr),
             _ => None,
         },
         #[cfg(not(target_arch = "x86_64"))]
@@ -101,17 +104,28 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
     let cols = w.cols;
     let t = x.len() / cols;
     let (height, width) = shape_for(isa);
+    let bytes = w.weights.as_bytes();
+    let row_bytes = bytes.len() / w.rows.max(1);
     PANEL.with(|panel| {
         let mut panel = panel.borrow_mut();
         panel.resize(MR * cols, 0.0);
         for tb in (0..t).step_by(TOKEN_BLOCK) {
             let te = (tb + TOKEN_BLOCK).min(t);
+            let calls = (te - tb).div_ceil(width);
             for r0 in rows.clone().step_by(height) {
                 let mr = height.min(rows.end - r0);
                 for i in 0..mr {
                     w.row_to_f32_with(isa, r0 + i, &mut panel[i * cols..(i + 1) * cols]);
                 }
+                // A later panel's weights, a share after each tile: their
+                // reads from memory overlap this panel's arithmetic (with few
+                // tokens, as when decoding a batch of sequences, widening
+                // would otherwise wait on memory as long as the tiles take).
+                let ahead = (r0 + PREFETCH_PANELS * height).min(rows.end);
+                let next = &bytes[ahead * row_bytes..(ahead + height).min(rows.end) * row_bytes];
+                let share = next.len().div_ceil(calls).next_multiple_of(64);
                 let mut t0 = tb;
+                let mut call = 0;
                 while t0 < te {
                     let nr = width.min(te - t0);
                     let xs = &x[t0 * cols..(t0 + nr) * cols];
@@ -127,6 +141,8 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
                             };
                         }
                     }
+                    prefetch(next.get(call * share..((call + 1) * share).min(next.len())).unwrap_or(&[]));
+                    call += 1;
                     t0 += nr;
                 }
             }
@@ -134,15 +150,83 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
     });
 }
 
+/// Most tokens for which products over BF16 weights stream the weights
+/// like a mat-vec ([`few_tokens_rows`]): decoding a batch of sequences.
+const SMALL_BATCH: usize = 16;
+/// Rows per block of [`few_tokens_rows`].
+const FEW_ROWS: usize = 64;
+
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]) over BF16
+/// weights, as a mat-vec of several vectors: each pair of weight rows is
+/// read from memory once, widened in registers, and multiplied with up to 8
+/// tokens at a time (16 accumulators), the tokens staying in L1, while rows
+/// further on are prefetched. No panel is widened first, so the memory
+/// reads and the arithmetic overlap. Returns false where the tier has no
+/// such kernel.
+fn few_tokens_rows(isa: Isa, w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, x: &[f32], out: &Out) -> bool {
+    match isa.tier() {
+        Tier::Scalar | Tier::Avx2 => false,
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+            let t = x.len() / cols;
+            let row = |i: usize| &w[i * cols..(i + 1) * cols];
+            // Rows in blocks of FEW_ROWS (112 KB of BF16 at 896 columns),
+            // read from memory by the first 8 tokens and from L2 by the
+            // next 8, while each 8 tokens' activations stay in L1.
+            for b0 in rows.clone().step_by(FEW_ROWS) {
+                let block = b0..(b0 + FEW_ROWS).min(rows.end);
+                for t0 in (0..t).step_by(8) {
+                    let n = 8.min(t - t0);
+                    let xs = &x[t0 * cols..(t0 + n) * cols];
+                    for r in block.clone().step_by(2) {
+                        let two = r + 1 < block.end;
+                        let pair = [row(r), row(if two { r + 1 } else { r })];
+                        // Rows a few pairs on, to be read from memory while
+                        // these are multiplied.
+                        let ahead = (r + 8).min(rows.end - 1);
+                        let ahead = [row(ahead).as_ptr(), row((ahead + 1).min(rows.end - 1)).as_ptr()];
+                        // SAFETY: AVX-512F is present (`isa` is the proof);
+                        // both rows hold `cols` values, `xs` `n` tokens.
+                        let y = unsafe { avx512::rows2_bf16(n, pair, xs, cols, ahead) };
+                        for (j, (&y0, &y1)) in y[0].iter().zip(&y[1]).take(n).enumerate() {
+                            let at = (t0 + j) * out.stride + r;
+                            // SAFETY: this thread owns columns `rows` of every
+                            // output row, `r` and (when `two`) `r + 1` among them.
+                            let o = unsafe { out.data.range(at, at + 1 + two as usize) };
+                            o[0] = y0;
+                            if two {
+                                o[1] = y1;
+                            }
+                        }
+                    }
+                }
+            }
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+    }
+}
+
+/// Asks for `bytes` to be brought into L2 (a hint; nothing elsewhere).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch is a hint that never faults; SSE is baseline
+        // on x86-64.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// `acc[i][j] = panel[i] · xs[j]` for `i < mr`, `j < nr`.
 fn tile(isa: Isa, panel: &[f32], mr: usize, xs: &[f32], nr: usize, cols: usize, acc: &mut [[f32; NR]; MR]) {
-    if nr == NR {
-        if let Some(kernel) = tile_kernel(isa, mr) {
-            debug_assert!(panel.len() >= mr * cols && xs.len() >= NR * cols);
-            // SAFETY: `isa` proves the CPU has the kernel's features; the
-            // panel holds `mr` rows and xs `NR` tokens of `cols` columns.
-            return unsafe { kernel(panel, xs, cols, acc) };
-        }
+    if let Some(kernel) = tile_kernel(isa, mr, nr) {
+        debug_assert!(panel.len() >= mr * cols && xs.len() >= nr * cols);
+        // SAFETY: `isa` proves the CPU has the kernel's features; the panel
+        // holds `mr` rows and xs `nr` tokens of `cols` columns.
+        return unsafe { kernel(panel, xs, cols, acc) };
     }
     for i in 0..mr {
         for j in 0..nr {
@@ -291,6 +375,11 @@ fn product_rows(
             return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
         }
     }
+    if let (Weights::Bf16(v), true) = (w.weights, x.len() <= SMALL_BATCH * w.cols) {
+        if few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
+            return;
+        }
+    }
     matmul_rows(isa, w, rows, x, out)
 }
 
@@ -386,33 +475,42 @@ pub fn matmul_swiglu(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{MR, NR};
+    use super::{TileKernel, MR, NR};
     use crate::formats::float::avx2::hsum;
     use std::arch::x86_64::*;
 
-    /// The 4 × 3 micro-kernel: twelve 8-lane accumulators over the columns.
+    /// The 4 × `n` kernel (`n` ≤ 3), if any.
+    pub fn tile_4xn(n: usize) -> Option<TileKernel> {
+        match n {
+            1 => Some(tile_4x::<1> as TileKernel),
+            2 => Some(tile_4x::<2> as TileKernel),
+            3 => Some(tile_4x::<3> as TileKernel),
+            _ => None,
+        }
+    }
+
+    /// The 4 × N micro-kernel: 4N 8-lane accumulators over the columns.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_4x3(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
-        // This kernel fills the first 4 × 3 entries of `acc`.
-        const N3: usize = 3;
+    unsafe fn tile_4x<const N: usize>(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
+        // This kernel fills the first 4 × N entries of `acc`.
         const M4: usize = 4;
-        debug_assert!(panel.len() >= M4 * cols && xs.len() >= N3 * cols);
-        let w = [panel.as_ptr(), panel.as_ptr().add(cols), panel.as_ptr().add(2 * cols), panel.as_ptr().add(3 * cols)];
-        let x = [xs.as_ptr(), xs.as_ptr().add(cols), xs.as_ptr().add(2 * cols)];
-        let mut c = [[_mm256_setzero_ps(); N3]; M4];
+        debug_assert!(panel.len() >= M4 * cols && xs.len() >= N * cols);
+        let w: [*const f32; M4] = std::array::from_fn(|i| panel.as_ptr().add(i * cols));
+        let x: [*const f32; N] = std::array::from_fn(|j| xs.as_ptr().add(j * cols));
+        let mut c = [[_mm256_setzero_ps(); N]; M4];
         let mut k = 0;
         while k + 8 <= cols {
-            let xv = [_mm256_loadu_ps(x[0].add(k)), _mm256_loadu_ps(x[1].add(k)), _mm256_loadu_ps(x[2].add(k))];
+            let xv: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(x[j].add(k)));
             for i in 0..M4 {
                 let wv = _mm256_loadu_ps(w[i].add(k));
-                for j in 0..N3 {
+                for j in 0..N {
                     c[i][j] = _mm256_fmadd_ps(wv, xv[j], c[i][j]);
                 }
             }
             k += 8;
         }
         for i in 0..M4 {
-            for j in 0..N3 {
+            for j in 0..N {
                 let mut s = hsum(c[i][j]);
                 for kk in k..cols {
                     s += *w[i].add(kk) * *x[j].add(kk);
@@ -425,29 +523,107 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{MR, NR};
+    use super::{TileKernel, MR, NR};
     use std::arch::x86_64::*;
 
-    /// The 8 × 3 micro-kernel: twenty-four 16-lane accumulators.
+    /// The 8 × `n` kernel (`n` ≤ 3), if any.
+    pub fn tile_8xn(n: usize) -> Option<TileKernel> {
+        match n {
+            1 => Some(tile_8x::<1> as TileKernel),
+            2 => Some(tile_8x::<2> as TileKernel),
+            3 => Some(tile_8x::<3> as TileKernel),
+            _ => None,
+        }
+    }
+
+    /// Two BF16 row slices against `n ≤ 8` token slices of the same length,
+    /// `stride` apart in `xs`: `y[i][j] = w[i] · x[j]`, the rows widened in
+    /// registers as they stream in; `ahead` are prefetched as far as `w`
+    /// reaches.
+    pub unsafe fn rows2_bf16(
+        n: usize,
+        w: [&[crate::formats::bf16]; 2],
+        xs: &[f32],
+        stride: usize,
+        ahead: [*const crate::formats::bf16; 2],
+    ) -> [[f32; 8]; 2] {
+        macro_rules! by_n {
+            ($($n:literal)*) => {
+                match n {
+                    $($n => rows2_n::<$n>(w, xs, stride, ahead),)*
+                    _ => unreachable!("1..=8 tokens"),
+                }
+            };
+        }
+        let len = w[0].len();
+        assert!(w[1].len() == len && xs.len() == (n - 1) * stride + len);
+        by_n!(1 2 3 4 5 6 7 8)
+    }
+
+    /// 16 BF16 values at `p` widened to f32 (exactly: a shift).
+    #[inline]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile_8x3(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
-        debug_assert!(panel.len() >= MR * cols && xs.len() >= NR * cols);
+    unsafe fn widen16(p: *const crate::formats::bf16) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rows2_n<const N: usize>(
+        w: [&[crate::formats::bf16]; 2],
+        xs: &[f32],
+        stride: usize,
+        ahead: [*const crate::formats::bf16; 2],
+    ) -> [[f32; 8]; 2] {
+        let len = w[0].len();
+        let mut c = [[_mm512_setzero_ps(); N]; 2];
+        let x: [*const f32; N] = std::array::from_fn(|j| xs.as_ptr().add(j * stride));
+        let mut k = 0;
+        while k + 16 <= len {
+            if k % 32 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead[0].wrapping_add(k) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(ahead[1].wrapping_add(k) as *const i8);
+            }
+            let wv = [widen16(w[0].as_ptr().add(k)), widen16(w[1].as_ptr().add(k))];
+            for j in 0..N {
+                let xv = _mm512_loadu_ps(x[j].add(k));
+                c[0][j] = _mm512_fmadd_ps(wv[0], xv, c[0][j]);
+                c[1][j] = _mm512_fmadd_ps(wv[1], xv, c[1][j]);
+            }
+            k += 16;
+        }
+        let mut y = [[0.0f32; 8]; 2];
+        for i in 0..2 {
+            for j in 0..N {
+                let mut s = _mm512_reduce_add_ps(c[i][j]);
+                for kk in k..len {
+                    s += w[i][kk].to_f32() * *x[j].add(kk);
+                }
+                y[i][j] = s;
+            }
+        }
+        y
+    }
+
+    /// The 8 × N micro-kernel: 8N 16-lane accumulators.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_8x<const N: usize>(panel: &[f32], xs: &[f32], cols: usize, acc: &mut [[f32; NR]; MR]) {
+        debug_assert!(panel.len() >= MR * cols && xs.len() >= N * cols);
         let w: [*const f32; MR] = std::array::from_fn(|i| panel.as_ptr().add(i * cols));
-        let x: [*const f32; NR] = std::array::from_fn(|j| xs.as_ptr().add(j * cols));
-        let mut c = [[_mm512_setzero_ps(); NR]; MR];
+        let x: [*const f32; N] = std::array::from_fn(|j| xs.as_ptr().add(j * cols));
+        let mut c = [[_mm512_setzero_ps(); N]; MR];
         let mut k = 0;
         while k + 16 <= cols {
-            let xv: [__m512; NR] = std::array::from_fn(|j| _mm512_loadu_ps(x[j].add(k)));
+            let xv: [__m512; N] = std::array::from_fn(|j| _mm512_loadu_ps(x[j].add(k)));
             for i in 0..MR {
                 let wv = _mm512_loadu_ps(w[i].add(k));
-                for j in 0..NR {
+                for j in 0..N {
                     c[i][j] = _mm512_fmadd_ps(wv, xv[j], c[i][j]);
                 }
             }
             k += 16;
         }
         for i in 0..MR {
-            for j in 0..NR {
+            for j in 0..N {
                 let mut s = _mm512_reduce_add_ps(c[i][j]);
                 for kk in k..cols {
                     s += *w[i].add(kk) * *x[j].add(kk);
