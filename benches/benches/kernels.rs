@@ -4,6 +4,7 @@
 //!
 //!     cargo bench -p ember-benches
 //!     cargo bench -p ember-benches -- matmul   # only the prefill products
+//!     cargo bench -p ember-benches -- "batched decode"   # 8 sequences' products
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Precision, Tier, Weights};
@@ -64,9 +65,50 @@ fn bench_matmul(c: &mut Criterion) {
     }
 }
 
+/// Prefill products over INT8 and INT4 weights at both precisions (fast:
+/// int8 activations and VNNI where the tier has it), and BF16 products for
+/// the few tokens of batched decoding (8 sequences).
+fn bench_quantized_and_batched(c: &mut Criterion) {
+    use ember_kernels::formats::{BlockQ4, BlockQ8, Format, Int4, Int8};
+    for (rows, cols) in [(896, 896), (4864, 896), (896, 4864)] {
+        let w = values(rows * cols);
+        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+        Int8::quantize_row(&w, &mut q8);
+        Int4::quantize_row(&w, &mut q4);
+        let x = values(PREFILL_TOKENS * cols);
+        let mut y = vec![0.0; PREFILL_TOKENS * rows];
+        let mut group = c.benchmark_group(format!("matmul {PREFILL_TOKENS}x{cols} @ {rows}x{cols}T quantized"));
+        group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
+        for (name, weights) in [("int8", Weights::Int8(&q8)), ("int4", Weights::Int4(&q4))] {
+            let m = MatRef::new(weights, rows, cols);
+            let isa = Isa::active();
+            for p in Precision::ALL {
+                group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
+                    b.iter(|| matmul_with(isa, p, m, &x, &mut y))
+                });
+            }
+        }
+        group.finish();
+
+        const SEQS: usize = 8;
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let x = values(SEQS * cols);
+        let mut y = vec![0.0; SEQS * rows];
+        let mut group = c.benchmark_group(format!("batched decode {SEQS}x{cols} @ {rows}x{cols}T"));
+        group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
+        let m = MatRef::new(Weights::Bf16(&wb), rows, cols);
+        for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
+            group.bench_function(format!("bf16 {} 1 thread", isa.name()), |b| {
+                b.iter(|| matmul_with(isa, Precision::Fast, m, &x, &mut y))
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = bench_matvec, bench_matmul
+    targets = bench_matvec, bench_matmul, bench_quantized_and_batched
 }
 criterion_main!(benches);

@@ -144,6 +144,13 @@ pub fn run(args: &[String]) -> Result<()> {
         println!("parity ({} precision): {passed} passed, {failed} failed", bar.precision);
         failures += failed;
     }
+    match check_sequences(&model, &refs) {
+        Ok(summary) => println!("ok    sequences decoded together: {summary}"),
+        Err(e) => {
+            failures += 1;
+            println!("FAIL  sequences decoded together: {e:#}");
+        }
+    }
     if failures > 0 {
         bail!("{failures} checks of {} prompts differ from transformers", refs.len());
     }
@@ -167,6 +174,57 @@ fn report_quantized(ember: &Path, model: &Path, refs: &[(Reference, Option<Promp
         println!("      {:?}", got.text);
     }
     Ok(())
+}
+
+/// Every reference prompt decoded greedily alone and all together in shared
+/// forward passes (`ember_model::step`, through the `sequences` example):
+/// the ids must agree up to the first step where transformers' margin is
+/// below the exact bar's (past a near-tie, either branch is right).
+fn check_sequences(model: &Path, refs: &[(Reference, Option<Prompt>)]) -> Result<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(&cargo)
+        .current_dir(crate::root())
+        .args(["build", "--release", "--quiet", "-p", "ember-model", "--example", "sequences"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("building the sequences example failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| crate::root().join("target"), PathBuf::from);
+    let exe = target.join("release").join("examples").join(format!("sequences{}", std::env::consts::EXE_SUFFIX));
+    let steps = refs.iter().map(|(r, _)| r.greedy_ids.len()).max().unwrap_or(1);
+    let mut cmd = Command::new(&exe);
+    cmd.arg(model).arg(steps.to_string());
+    for (r, _) in refs {
+        cmd.arg(serde_json::to_string(&r.prompt_ids)?);
+    }
+    let out = cmd.output().with_context(|| format!("running {}", exe.display()))?;
+    if !out.status.success() {
+        bail!("the sequences example failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    #[derive(Deserialize)]
+    struct Pair {
+        alone: Vec<u32>,
+        together: Vec<u32>,
+    }
+    let pairs: Vec<Pair> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("reading the sequences example's output")?;
+    if pairs.len() != refs.len() {
+        bail!("{} results for {} prompts", pairs.len(), refs.len());
+    }
+    let mut compared = 0;
+    for ((r, _), p) in refs.iter().zip(&pairs) {
+        let margin = BARS[0].margin;
+        let stop = r.margins.iter().position(|&m| m < margin).unwrap_or(r.greedy_ids.len()).min(p.alone.len());
+        if p.together.get(..stop) != Some(&p.alone[..stop]) {
+            bail!("{}: together {:?} vs alone {:?} (compared to step {stop})", r.name, p.together, p.alone);
+        }
+        compared += stop;
+    }
+    Ok(format!("{} prompts, {compared} greedy ids equal to each alone", refs.len()))
 }
 
 /// `prompts.json` beside the reference file, if there is one.

@@ -170,7 +170,12 @@ fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>>
         .args(args.quant.map(|q| ["--quant", q.name()]).into_iter().flatten())
         .args(["--precision", args.precision.name()])
         .args(["--sequence-prompt", &args.sequence_prompt.to_string()])
-        .args((!args.sequences.is_empty()).then(|| ["--sequences".to_string(), join(&args.sequences)]).into_iter().flatten())
+        .args(
+            (!args.sequences.is_empty())
+                .then(|| ["--sequences".to_string(), join(&args.sequences)])
+                .into_iter()
+                .flatten(),
+        )
         .output()
         .context("running a benchmark child process")?;
     if !out.status.success() {

@@ -3,7 +3,9 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{Model, Precision, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use ember_model::{
+    Model, Precision, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK,
+};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]

@@ -40,8 +40,8 @@
 
 use crate::cpu::{Isa, Tier};
 use crate::formats::{MatRef, Weights};
-use crate::pool::SharedMut;
 use crate::gemm_bf16::{bf16_bits, bf16_value};
+use crate::pool::SharedMut;
 use half::f16;
 use std::cell::RefCell;
 

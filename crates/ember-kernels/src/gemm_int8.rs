@@ -55,13 +55,7 @@ pub struct Acts<'a> {
 /// Quantizes `x (T, cols)` into `buf` (with `isa`'s quantizer, bit for bit
 /// the reference), spreading tokens over `pool` (or on the calling thread
 /// without one). `cols` must be a multiple of 32.
-pub fn prepare<'b>(
-    isa: Isa,
-    pool: Option<&ThreadPool>,
-    x: &[f32],
-    cols: usize,
-    buf: &'b mut Vec<BlockA8>,
-) -> Acts<'b> {
+pub fn prepare<'b>(isa: Isa, pool: Option<&ThreadPool>, x: &[f32], cols: usize, buf: &'b mut Vec<BlockA8>) -> Acts<'b> {
     let t = x.len() / cols;
     assert!(x.len() == t * cols && cols.is_multiple_of(QK_A8), "x is (T, cols), cols whole blocks");
     let per_token = cols / QK_A8;
@@ -146,7 +140,16 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
                 // the activations `n` tokens from `t0`, and `y` reaches the
                 // last lane written.
                 unsafe {
-                    avx512::tile(n, panel.as_ptr() as *const u32, blocks, &x.blocks[t0 * blocks..], offset, y, out.stride, masks)
+                    avx512::tile(
+                        n,
+                        panel.as_ptr() as *const u32,
+                        blocks,
+                        &x.blocks[t0 * blocks..],
+                        offset,
+                        y,
+                        out.stride,
+                        masks,
+                    )
                 };
             }
         }
@@ -203,7 +206,7 @@ mod avx512 {
                 }
             };
         }
-        debug_assert!(n >= 1 && n <= NR && x.len() >= n * blocks);
+        debug_assert!((1..=NR).contains(&n) && x.len() >= n * blocks);
         by_n!(1 2 3 4 5 6)
     }
 
@@ -271,7 +274,6 @@ mod tests {
         let mid = ((rows / 2).div_ceil(PANEL) * PANEL).min(rows);
         matmul_rows::<F>(isa, &q, 0..mid, &acts, &out);
         matmul_rows::<F>(isa, &q, mid..rows, &acts, &out);
-        drop(out);
         for (a, b) in y.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * (cols as f32), "{} {rows}x{cols} t={t}: {a} vs {b}", F::NAME);
         }

@@ -12,10 +12,10 @@
 use crate::amx;
 use crate::cpu::{Isa, Tier};
 use crate::dot::dot_f32_scalar;
-use crate::formats::{MatRef, Weights};
 use crate::formats::with_weights;
-use crate::{gemm_bf16, gemm_int8};
+use crate::formats::{MatRef, Weights};
 use crate::pool::{self, SharedMut, ThreadPool};
+use crate::{gemm_bf16, gemm_int8};
 use std::cell::RefCell;
 
 /// Tokens per block: `TOKEN_BLOCK × cols` f32 activations should fit in L2
@@ -163,7 +163,14 @@ const FEW_ROWS: usize = 64;
 /// further on are prefetched. No panel is widened first, so the memory
 /// reads and the arithmetic overlap. Returns false where the tier has no
 /// such kernel.
-fn few_tokens_rows(isa: Isa, w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, x: &[f32], out: &Out) -> bool {
+fn few_tokens_rows(
+    isa: Isa,
+    w: &[crate::formats::bf16],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    x: &[f32],
+    out: &Out,
+) -> bool {
     match isa.tier() {
         Tier::Scalar | Tier::Avx2 => false,
         #[cfg(target_arch = "x86_64")]
@@ -386,12 +393,7 @@ fn product_rows(
 /// Several products with the same input as one parallel section (q/k/v):
 /// `Y_i (T, rows_i) = X (T, cols) @ W_iᵀ`, each thread taking a contiguous
 /// share of the concatenated rows.
-pub fn matmuls<const N: usize>(
-    pool: &ThreadPool,
-    precision: Precision,
-    x: &[f32],
-    jobs: [(MatRef, &mut [f32]); N],
-) {
+pub fn matmuls<const N: usize>(pool: &ThreadPool, precision: Precision, x: &[f32], jobs: [(MatRef, &mut [f32]); N]) {
     let isa = Isa::active();
     let mut total = 0;
     for (w, y) in &jobs {
@@ -677,7 +679,8 @@ mod tests {
                             }
                             Weights::Bf16(v) if fast_bf16(isa, precision, &m) => {
                                 let mut buf = Vec::new();
-                                let acts = gemm_bf16::prepare(Isa::scalar(), None, &x, cols, gemm_bf16::FAST_TERMS, &mut buf);
+                                let acts =
+                                    gemm_bf16::prepare(Isa::scalar(), None, &x, cols, gemm_bf16::FAST_TERMS, &mut buf);
                                 let mut want = vec![0.0; t * rows];
                                 gemm_bf16::matmul_reference(v, cols, &acts, &mut want);
                                 want

@@ -63,7 +63,12 @@ pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize,
     let start = Instant::now();
     for step in 0..n {
         let batch: Vec<BatchToken> = (0..sequences)
-            .map(|s| BatchToken { token: tokens[s * (prompt + n) + s + prompt + step], seq: s, pos: prompt + step, logits: true })
+            .map(|s| BatchToken {
+                token: tokens[s * (prompt + n) + s + prompt + step],
+                seq: s,
+                pos: prompt + step,
+                logits: true,
+            })
             .collect();
         model.forward(&batch, &mut refs, &mut scratch)?;
     }

@@ -23,7 +23,9 @@ use crate::weights::{Tensor, TensorStore};
 use ember_kernels::attention::{attention, AttnShape};
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
 use ember_kernels::pool;
-use ember_kernels::{matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType};
+use ember_kernels::{
+    matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType,
+};
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {

@@ -60,7 +60,9 @@ macro_rules! float_row {
                         Kernels { dot: avx2::$dot, rows4: avx2::$rows4, dequantize: avx2::$dequantize }
                     }
                     #[cfg(not(target_arch = "x86_64"))]
-                    Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+                    Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+                        unreachable!("x86 tiers are only detected on x86")
+                    }
                 }
             }
         }

@@ -97,7 +97,9 @@ impl Format for Int4 {
                 Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: k::dequantize_q4 }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+                unreachable!("x86 tiers are only detected on x86")
+            }
         }
     }
 }

@@ -389,7 +389,10 @@ impl<'a> MatRef<'a> {
         assert_eq!(out.len(), cols.len());
         with_weights!(self.weights, |F, d| {
             let b = F::BLOCK_LEN;
-            assert!(cols.start % b == 0 && cols.end % b == 0, "column range {cols:?} is not whole blocks of {b}");
+            assert!(
+                cols.start.is_multiple_of(b) && cols.end.is_multiple_of(b),
+                "column range {cols:?} is not whole blocks of {b}"
+            );
             F::dequantize(isa, &d[cols.start / b..cols.end / b], out)
         })
     }
