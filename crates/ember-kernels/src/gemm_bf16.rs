@@ -196,10 +196,10 @@ pub fn prepare<'b>(
     Acts { words: &buf[..], tokens: t, pairs, terms }
 }
 
-/// One cache line of a panel.
+/// One cache line of a panel (here and in [`crate::gemm_int8`]).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u32; 16]);
+pub(crate) struct Line(pub(crate) [u32; 16]);
 
 thread_local! {
     /// Each thread's packed panel, reused across calls.
@@ -285,7 +285,8 @@ pub fn matmul_rows(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usiz
     });
 }
 
-fn mask(n: usize) -> u16 {
+/// The store mask of the first `n` (≤ 16) lanes.
+pub(crate) fn mask(n: usize) -> u16 {
     ((1u32 << n) - 1) as u16
 }
 

@@ -23,6 +23,7 @@
 
 use crate::cpu::{Isa, Tier};
 use crate::formats::{quantize_activations, ActType, BlockA8, Format, MatRef, QK_A8};
+use crate::gemm_bf16::{mask, Line};
 use crate::matmul::Out;
 use crate::pool::{SharedMut, ThreadPool};
 use std::cell::RefCell;
@@ -75,11 +76,6 @@ pub fn prepare<'b>(isa: Isa, pool: Option<&ThreadPool>, x: &[f32], cols: usize, 
     }
     Acts { blocks: &buf[..], tokens: t, per_token }
 }
-
-/// One cache line of a panel.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u32; 16]);
 
 thread_local! {
     /// Each thread's packed panel, reused across calls.
@@ -154,10 +150,6 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
             }
         }
     });
-}
-
-fn mask(n: usize) -> u16 {
-    ((1u32 << n) - 1) as u16
 }
 
 /// The reference: `y[t][r] = F::dot_reference(w[r], x[t])`, the decoding
