@@ -162,18 +162,7 @@ pub fn pack<'b>(
     let tiles = token_tiles(t);
     let per_tile = cols / KSTEP * ACT_TERMS * TILE_ELEMS;
     buf.resize(tiles * per_tile, 0);
-    {
-        let out = SharedMut::new(&mut buf[..]);
-        let work = |th, n| {
-            let (a, b) = crate::pool::share(tiles, th, n, 1);
-            // SAFETY: threads take disjoint tile ranges.
-            pack_tiles(isa, x, cols, a..b, unsafe { out.range(a * per_tile, b * per_tile) });
-        };
-        match pool {
-            Some(pool) => pool.run(work),
-            None => work(0, 1),
-        }
-    }
+    crate::pool::fill_shares(pool, &mut buf[..], tiles, |range, dst| pack_tiles(isa, x, cols, range, dst));
     Packed { data: &buf[..], tokens: t, cols }
 }
 

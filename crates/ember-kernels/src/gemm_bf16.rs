@@ -28,7 +28,7 @@
 
 use crate::cpu::{Isa, Tier};
 use crate::matmul::Out;
-use crate::pool::{SharedMut, ThreadPool};
+use crate::pool::ThreadPool;
 use half::bf16;
 use std::cell::RefCell;
 
@@ -116,13 +116,13 @@ pub fn pays_off() -> bool {
 
 fn measure_pays_off() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if let Some(isa) = Isa::supported().into_iter().find(|&i| available(i)) {
-        let _ = isa;
+    if Isa::supported().into_iter().any(available) {
         let best = |f: unsafe fn(usize) -> f32| {
             (0..5)
                 .map(|_| {
                     let start = std::time::Instant::now();
-                    // SAFETY: AVX-512F and AVX512-BF16 are present (`isa`).
+                    // SAFETY: AVX-512F and AVX512-BF16 are present (a tier that
+                    // has them was detected).
                     std::hint::black_box(unsafe { f(20_000) });
                     start.elapsed()
                 })
@@ -150,10 +150,16 @@ fn round_token(isa: Isa, x: &[f32], dst: &mut [u32]) {
 
 /// The reference for the SIMD rounding: [`terms`] per value.
 fn round_token_reference(x: &[f32], dst: &mut [u32]) {
+    round_pairs(x, dst, 0);
+}
+
+/// Column pairs `from..` of one token rounded into `dst (terms · pairs,)`,
+/// value by value (the reference, and the SIMD kernel's ragged end).
+fn round_pairs(x: &[f32], dst: &mut [u32], from: usize) {
     let pairs = x.len().div_ceil(2);
     let n = dst.len() / pairs;
     assert!(dst.len() == n * pairs && (1..=MAX_TERMS).contains(&n));
-    for p in 0..pairs {
+    for p in from..pairs {
         let lo = terms::<MAX_TERMS>(x[2 * p]);
         let hi = x.get(2 * p + 1).map_or([0; MAX_TERMS], |&v| terms::<MAX_TERMS>(v));
         for k in 0..n {
@@ -179,20 +185,11 @@ pub fn prepare<'b>(
     let pairs = cols.div_ceil(2);
     let per = pairs * terms;
     buf.resize(t * per, 0);
-    {
-        let out = SharedMut::new(&mut buf[..]);
-        let work = |th, n| {
-            let (a, b) = crate::pool::share(t, th, n, 1);
-            for i in a..b {
-                // SAFETY: threads take disjoint token ranges.
-                round_token(isa, &x[i * cols..(i + 1) * cols], unsafe { out.range(i * per, (i + 1) * per) });
-            }
-        };
-        match pool {
-            Some(pool) if t > 1 => pool.run(work),
-            _ => work(0, 1),
+    crate::pool::fill_shares(pool, &mut buf[..], t, |tokens, dst| {
+        for (i, d) in tokens.zip(dst.chunks_exact_mut(per)) {
+            round_token(isa, &x[i * cols..(i + 1) * cols], d);
         }
-    }
+    });
     Acts { words: &buf[..], tokens: t, pairs, terms }
 }
 
@@ -347,13 +344,7 @@ mod avx512 {
             k += 16;
         }
         // The ragged end (cols not a multiple of 16), as the reference does.
-        for p in k / 2..pairs {
-            let lo = super::terms::<MAX_TERMS>(x[2 * p]);
-            let hi = x.get(2 * p + 1).map_or([0; MAX_TERMS], |&v| super::terms::<MAX_TERMS>(v));
-            for term in 0..n {
-                dst[term * pairs + p] = lo[term] as u32 | (hi[term] as u32) << 16;
-            }
-        }
+        super::round_pairs(x, dst, k / 2);
     }
 
     /// `n` rounds of 12 independent FMAs, for [`super::pays_off`].
@@ -568,7 +559,6 @@ mod tests {
                 let mid = mid.min(rows);
                 matmul_rows(isa, &w, cols, 0..mid, &acts, &out);
                 matmul_rows(isa, &w, cols, mid..rows, &acts, &out);
-                drop(out);
                 for (a, b) in y.iter().zip(&want) {
                     assert!((a - b).abs() <= 1e-5 * (cols as f32).max(1.0), "{rows}x{cols} t={t}: {a} vs {b}");
                 }

@@ -25,7 +25,7 @@ use crate::cpu::{Isa, Tier};
 use crate::formats::{quantize_activations, ActType, BlockA8, Format, MatRef, QK_A8};
 use crate::gemm_bf16::{mask, Line};
 use crate::matmul::Out;
-use crate::pool::{SharedMut, ThreadPool};
+use crate::pool::ThreadPool;
 use std::cell::RefCell;
 
 /// Weight rows per panel: two 16-lane registers.
@@ -61,19 +61,9 @@ pub fn prepare<'b>(isa: Isa, pool: Option<&ThreadPool>, x: &[f32], cols: usize, 
     assert!(x.len() == t * cols && cols.is_multiple_of(QK_A8), "x is (T, cols), cols whole blocks");
     let per_token = cols / QK_A8;
     buf.resize(t * per_token, BlockA8::ZERO);
-    {
-        let out = SharedMut::new(&mut buf[..]);
-        let work = |th, n| {
-            let (a, b) = crate::pool::share(t, th, n, 1);
-            // SAFETY: threads take disjoint token ranges.
-            let dst = unsafe { out.range(a * per_token, b * per_token) };
-            quantize_activations(isa, &x[a * cols..b * cols], dst);
-        };
-        match pool {
-            Some(pool) if t > 1 => pool.run(work),
-            _ => work(0, 1),
-        }
-    }
+    crate::pool::fill_shares(pool, &mut buf[..], t, |tokens, dst| {
+        quantize_activations(isa, &x[tokens.start * cols..tokens.end * cols], dst)
+    });
     Acts { blocks: &buf[..], tokens: t, per_token }
 }
 

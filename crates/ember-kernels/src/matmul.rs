@@ -21,8 +21,6 @@ use std::cell::RefCell;
 /// Tokens per block: `TOKEN_BLOCK × cols` f32 activations should fit in L2
 /// next to the weight panel (64 × 4864 × 4 B = 1.2 MB for down_proj).
 pub const TOKEN_BLOCK: usize = 64;
-/// How many panels ahead the weights are prefetched.
-const PREFETCH_PANELS: usize = 1;
 /// Most rows of W per panel (the micro-kernel's height).
 const MR: usize = 8;
 /// Most tokens per micro-kernel call (its width).
@@ -117,11 +115,9 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
                 for i in 0..mr {
                     w.row_to_f32_with(isa, r0 + i, &mut panel[i * cols..(i + 1) * cols]);
                 }
-                // A later panel's weights, a share after each tile: their
-                // reads from memory overlap this panel's arithmetic (with few
-                // tokens, as when decoding a batch of sequences, widening
-                // would otherwise wait on memory as long as the tiles take).
-                let ahead = (r0 + PREFETCH_PANELS * height).min(rows.end);
+                // The next panel's weights, a share after each tile: their
+                // reads from memory overlap this panel's arithmetic.
+                let ahead = (r0 + height).min(rows.end);
                 let next = &bytes[ahead * row_bytes..(ahead + height).min(rows.end) * row_bytes];
                 let share = next.len().div_ceil(calls).next_multiple_of(64);
                 let mut t0 = tb;
@@ -155,6 +151,8 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
 const SMALL_BATCH: usize = 16;
 /// Rows per block of [`few_tokens_rows`].
 const FEW_ROWS: usize = 64;
+/// Tokens per call of its kernel (2 rows × 8 tokens: 16 accumulators).
+const FEW_TOKENS: usize = 8;
 
 /// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]) over BF16
 /// weights, as a mat-vec of several vectors: each pair of weight rows is
@@ -182,8 +180,8 @@ fn few_tokens_rows(
             // next 8, while each 8 tokens' activations stay in L1.
             for b0 in rows.clone().step_by(FEW_ROWS) {
                 let block = b0..(b0 + FEW_ROWS).min(rows.end);
-                for t0 in (0..t).step_by(8) {
-                    let n = 8.min(t - t0);
+                for t0 in (0..t).step_by(FEW_TOKENS) {
+                    let n = FEW_TOKENS.min(t - t0);
                     let xs = &x[t0 * cols..(t0 + n) * cols];
                     for r in block.clone().step_by(2) {
                         let two = r + 1 < block.end;
@@ -281,8 +279,8 @@ impl Precision {
 }
 
 /// A product's activations, prepared once for every thread: packed for AMX,
-/// rounded to BF16 terms for the fast BF16 kernels, or neither.
-#[derive(Default)]
+/// rounded to BF16 terms for the fast BF16 kernels, quantized to int8 blocks
+/// for the integer kernels, or none of these.
 struct Prepared<'a> {
     amx: Option<amx::Packed<'a>>,
     bf16: Option<gemm_bf16::Acts<'a>>,
@@ -352,9 +350,11 @@ fn with_prepared<R>(
 }
 
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread: whole 32-row pairs on
-/// AMX when packed and W's type allows, BF16 weights on the fast BF16
-/// kernels when prepared for them, the rest (and everything on other tiers)
-/// with the f32 micro-kernel.
+/// INT8/INT4 weights on the integer kernels at fast precision, whole 32-row
+/// pairs on AMX when packed and W's type allows, BF16 weights on the fast
+/// BF16 kernels when prepared for them or, for a few tokens, streamed like a
+/// mat-vec; the rest (and everything on other tiers) with the f32
+/// micro-kernel.
 fn product_rows(
     isa: Isa,
     precision: Precision,
@@ -382,8 +382,8 @@ fn product_rows(
             return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
         }
     }
-    if let (Weights::Bf16(v), true) = (w.weights, x.len() <= SMALL_BATCH * w.cols) {
-        if few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
+    if let Weights::Bf16(v) = w.weights {
+        if x.len() <= SMALL_BATCH * w.cols && few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
             return;
         }
     }

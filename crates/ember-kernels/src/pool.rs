@@ -198,6 +198,29 @@ pub fn global() -> &'static ThreadPool {
     GLOBAL.get_or_init(|| ThreadPool::new(std::thread::available_parallelism().map_or(1, |n| n.get())))
 }
 
+/// Fills `dst`, `items` items of equal size, in parallel over `pool` (or on
+/// the calling thread without one): each thread calls `f` once with its
+/// contiguous share of the items and the part of `dst` that holds them.
+pub fn fill_shares<T: Send>(
+    pool: Option<&ThreadPool>,
+    dst: &mut [T],
+    items: usize,
+    f: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
+) {
+    let per = dst.len().checked_div(items).unwrap_or(0);
+    assert_eq!(per * items, dst.len(), "dst holds whole items");
+    let out = SharedMut::new(dst);
+    let work = |th, n| {
+        let (a, b) = share(items, th, n, 1);
+        // SAFETY: threads take disjoint item ranges.
+        f(a..b, unsafe { out.range(a * per, b * per) });
+    };
+    match pool {
+        Some(pool) if items > 1 => pool.run(work),
+        _ => work(0, 1),
+    }
+}
+
 /// The rows `[start, end)` of `rows` that thread `t` of `n` takes: contiguous,
 /// balanced, and aligned to `align` rows where possible.
 pub fn share(rows: usize, t: usize, n: usize, align: usize) -> (usize, usize) {

@@ -60,16 +60,14 @@ pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize,
         }
     }
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let mut batch: Vec<BatchToken> =
+        (0..sequences).map(|seq| BatchToken { token: 0, seq, pos: prompt, logits: true }).collect();
     let start = Instant::now();
     for step in 0..n {
-        let batch: Vec<BatchToken> = (0..sequences)
-            .map(|s| BatchToken {
-                token: tokens[s * (prompt + n) + s + prompt + step],
-                seq: s,
-                pos: prompt + step,
-                logits: true,
-            })
-            .collect();
+        for b in &mut batch {
+            b.token = tokens[b.seq * (prompt + n) + b.seq + prompt + step];
+            b.pos = prompt + step;
+        }
         model.forward(&batch, &mut refs, &mut scratch)?;
     }
     Ok(start.elapsed())
