@@ -97,6 +97,34 @@ pub fn available(isa: Isa) -> bool {
     }
 }
 
+/// Whether the f32 kernel over the same panels ([`matmul_rows_f32`]) can
+/// run on `isa`: the AVX-512 tiers, by name.
+pub fn f32_available(isa: Isa) -> bool {
+    match isa.tier() {
+        Tier::Scalar | Tier::Avx2 => false,
+        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+    }
+}
+
+/// Whether [`matmul_rows_f32`] takes products with `cols` columns: whole
+/// column pairs (each token's pair is read as two floats).
+pub fn f32_handles(cols: usize) -> bool {
+    cols.is_multiple_of(2)
+}
+
+/// Activation bytes a block of tokens may take, so that it stays in L2
+/// (2 MB per core on the Xeons measured, 1 MB on Zen 4) beside the panel.
+const TOKEN_BLOCK_BYTES: usize = 768 * 1024;
+
+/// Tokens per block for activations of `bytes_per_token`: as many as fit
+/// [`TOKEN_BLOCK_BYTES`], in whole micro-kernel calls, at least one call.
+/// Every panel meets a block's tokens while they are in L2, and is packed
+/// once per block (cheap: one pass over 32 rows against `NR · calls`
+/// multiply-adds per weight).
+fn token_block(bytes_per_token: usize) -> usize {
+    (TOKEN_BLOCK_BYTES / bytes_per_token.max(1) / NR).max(1) * NR
+}
+
 /// Whether `vdpbf16ps` multiplies faster than the f32 FMA on this CPU, which
 /// differs by microarchitecture, not by feature flags: on Zen 4 it does
 /// twice the FMA's multiply-adds, on a Sapphire/Emerald Rapids Xeon
@@ -211,12 +239,12 @@ fn pack_panel(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, p
     debug_assert!(rows.len() <= PANEL && panel.len() == 2 * pairs);
     let mut done = [0usize; 2]; // pairs packed by SIMD, per line
     #[cfg(target_arch = "x86_64")]
-    if available(isa) && cols.is_multiple_of(2) {
+    if f32_available(isa) && cols.is_multiple_of(2) {
         for (line, d) in done.iter_mut().enumerate() {
             let first = rows.start + 16 * line;
             if first + 16 <= rows.end {
                 *d = pairs / 16 * 16;
-                // SAFETY: AVX-512F is present (`available`); rows
+                // SAFETY: AVX-512F is present (`f32_available`); rows
                 // `first..first + 16` exist and have `pairs` words each.
                 unsafe { avx512::pack_line(w[first * cols..].as_ptr() as *const u32, pairs, *d, panel, line) };
             }
@@ -240,46 +268,142 @@ fn pack_panel(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, p
     }
 }
 
+/// One micro-kernel call's work: tokens `t0..t0 + n` against the packed
+/// rows `r0..r1`, and the raw bytes of the next panel to prefetch meanwhile.
+struct Tile<'p> {
+    panel: &'p [Line],
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    n: usize,
+    ahead: &'p [u8],
+}
+
+/// Runs `tile` for every panel of `rows` and every call of at most [`NR`]
+/// tokens, tokens in blocks of `block` (the outer loop), each panel packed
+/// once per block. The first call on each panel prefetches the next
+/// panel's weights into L2 as it goes, so that reading them from memory
+/// overlaps this panel's arithmetic (for a few tokens, one call is all the
+/// arithmetic a panel gets).
+fn for_each_tile(
+    isa: Isa,
+    w: &[bf16],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    tokens: usize,
+    block: usize,
+    mut tile: impl FnMut(Tile),
+) {
+    let pairs = cols.div_ceil(2);
+    let bytes: &[u8] = bytemuck::cast_slice(w);
+    PANEL_BUF.with(|buf| {
+        let mut panel = buf.borrow_mut();
+        panel.resize(2 * pairs, Line([0; 16]));
+        for tb in (0..tokens).step_by(block) {
+            let te = (tb + block).min(tokens);
+            for r0 in rows.clone().step_by(PANEL) {
+                let r1 = (r0 + PANEL).min(rows.end);
+                pack_panel(isa, w, cols, r0..r1, &mut panel);
+                let next = &bytes[r1 * cols * 2..(r1 + PANEL).min(rows.end) * cols * 2];
+                for t0 in (tb..te).step_by(NR) {
+                    let ahead = if t0 == tb { next } else { &[] };
+                    tile(Tile { panel: &panel, r0, r1, t0, n: NR.min(te - t0), ahead });
+                }
+            }
+        }
+    });
+}
+
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread, `w (·, cols)` BF16,
 /// `x` from [`prepare`]. Writes `y[t][r]` for `r` in `rows`, every token.
 pub fn matmul_rows(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, x: &Acts, out: &Out) {
     assert!(available(isa), "the fast BF16 kernels need the AVX512-BF16 tier");
     assert!(x.pairs == cols.div_ceil(2) && rows.end * cols <= w.len());
     let pairs = x.pairs;
-    PANEL_BUF.with(|buf| {
-        let mut panel = buf.borrow_mut();
-        panel.resize(2 * pairs, Line([0; 16]));
-        for r0 in rows.clone().step_by(PANEL) {
-            let r1 = (r0 + PANEL).min(rows.end);
-            pack_panel(isa, w, cols, r0..r1, &mut panel);
-            let valid = r1 - r0;
-            let masks = [mask(valid.min(16)), mask(valid.saturating_sub(16))];
-            for t0 in (0..x.tokens).step_by(NR) {
-                let n = NR.min(x.tokens - t0);
-                let y_end = (t0 + n - 1) * out.stride + r1;
-                // SAFETY: this thread owns columns `rows` of every output
-                // row, and the kernel writes only the `valid` lanes at
-                // `r0..r1` of rows `t0..t0 + n`.
-                let y = unsafe { out.data.ptr(t0 * out.stride + r0, y_end) };
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512F and AVX512-BF16 are present (`available`);
-                // the panel holds `pairs` pairs of 32 rows, the activations
-                // `n` tokens from `t0`, and `y` reaches the last lane written.
-                unsafe {
-                    avx512::tile(
-                        n,
-                        x.terms,
-                        panel.as_ptr() as *const u32,
-                        pairs,
-                        &x.words[t0 * pairs * x.terms..],
-                        y,
-                        out.stride,
-                        masks,
-                    )
-                };
-            }
+    let block = token_block(4 * pairs * x.terms);
+    for_each_tile(isa, w, cols, rows, x.tokens, block, |Tile { panel, r0, r1, t0, n, ahead }| {
+        let y_end = (t0 + n - 1) * out.stride + r1;
+        // SAFETY: this thread owns columns `rows` of every output row, and
+        // the kernel writes only the `valid` lanes at `r0..r1` of rows
+        // `t0..t0 + n`.
+        let y = unsafe { out.data.ptr(t0 * out.stride + r0, y_end) };
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F and AVX512-BF16 are present (`available`); the
+        // panel holds `pairs` pairs of 32 rows, the activations `n` tokens
+        // from `t0`, and `y` reaches the last lane written.
+        unsafe {
+            avx512::tile(
+                n,
+                x.terms,
+                panel.as_ptr() as *const u32,
+                pairs,
+                &x.words[t0 * pairs * x.terms..],
+                y,
+                out.stride,
+                row_masks(r1 - r0),
+                ahead,
+            )
+        };
+    })
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` on the calling thread in f32, `w (·, cols)`
+/// BF16 packed into the same panels, `x (T, cols)` f32 as it is: the exact
+/// precision's product on the AVX-512 tiers, and the fast one where
+/// `vdpbf16ps` does not pay off.
+///
+/// Per column pair the kernel widens the panel's two lines into four
+/// 16-row vectors of f32 (a shift and a mask: BF16 is f32's upper half),
+/// then each token's two activations, broadcast, meet them in 4 FMAs: 48
+/// FMAs per 2 loads and 4 integer operations, 24 accumulators holding
+/// outputs, so no horizontal sums. Each output is summed over its columns
+/// in order, in f32 with fused multiply-adds.
+pub fn matmul_rows_f32(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, x: &[f32], out: &Out) {
+    assert!(f32_available(isa), "the f32 panel kernel needs an AVX-512 tier");
+    assert!(f32_handles(cols) && rows.end * cols <= w.len() && x.len().is_multiple_of(cols.max(1)));
+    let tokens = x.len() / cols.max(1);
+    let pairs = cols / 2;
+    for_each_tile(isa, w, cols, rows, tokens, token_block(4 * cols), |Tile { panel, r0, r1, t0, n, ahead }| {
+        // SAFETY: as in `matmul_rows`.
+        let y = unsafe { out.data.ptr(t0 * out.stride + r0, (t0 + n - 1) * out.stride + r1) };
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F is present (`f32_available`); the panel holds
+        // `pairs` pairs of 32 rows, `x` `n` tokens of `cols` from `t0`, and
+        // `y` reaches the last lane written.
+        unsafe {
+            avx512::tile_f32(
+                n,
+                panel.as_ptr() as *const u32,
+                pairs,
+                &x[t0 * cols..(t0 + n) * cols],
+                y,
+                out.stride,
+                row_masks(r1 - r0),
+                ahead,
+            )
+        };
+    })
+}
+
+/// The reference for [`matmul_rows_f32`]: each output summed over its
+/// columns in order with fused multiply-adds. `w (rows, cols)`, `x (T, cols)`,
+/// `y (T, rows)`.
+pub fn matmul_f32_reference(w: &[bf16], cols: usize, x: &[f32], y: &mut [f32]) {
+    let rows = w.len() / cols;
+    let t = x.len() / cols;
+    assert_eq!(y.len(), t * rows);
+    for i in 0..t {
+        for r in 0..rows {
+            let xs = &x[i * cols..(i + 1) * cols];
+            y[i * rows + r] =
+                w[r * cols..(r + 1) * cols].iter().zip(xs).fold(0.0f32, |s, (wk, xk)| wk.to_f32().mul_add(*xk, s));
         }
-    });
+    }
+}
+
+/// The store masks of a panel's two lines when `valid` rows are real.
+fn row_masks(valid: usize) -> [u16; 2] {
+    [mask(valid.min(16)), mask(valid.saturating_sub(16))]
 }
 
 /// The store mask of the first `n` (≤ 16) lanes.
@@ -442,11 +566,12 @@ mod avx512 {
         y: *mut f32,
         y_stride: usize,
         masks: [u16; 2],
+        ahead: &[u8],
     ) {
         macro_rules! by_n {
             ($t:literal; $($n:literal)*) => {
                 match n {
-                    $($n => tile_n::<$n, $t>(panel, pairs, x.as_ptr(), y, y_stride, masks),)*
+                    $($n => tile_n::<$n, $t>(panel, pairs, x.as_ptr(), y, y_stride, masks, ahead),)*
                     _ => unreachable!("1..=NR tokens"),
                 }
             };
@@ -468,10 +593,12 @@ mod avx512 {
         y: *mut f32,
         y_stride: usize,
         masks: [u16; 2],
+        ahead: &[u8],
     ) {
         let stride = TERMS * pairs;
         let mut acc = [[_mm512_setzero_ps(); 2]; N];
         for p in 0..pairs {
+            prefetch_ahead(ahead, p);
             let w0: __m512bh = std::mem::transmute(_mm512_load_si512(panel.add(p * 32) as *const _));
             let w1: __m512bh = std::mem::transmute(_mm512_load_si512(panel.add(p * 32 + 16) as *const _));
             for (j, a) in acc.iter_mut().enumerate() {
@@ -481,6 +608,85 @@ mod avx512 {
                     a[0] = _mm512_dpbf16_ps(a[0], w0, b);
                     a[1] = _mm512_dpbf16_ps(a[1], w1, b);
                 }
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(y.add(j * y_stride), masks[0], a[0]);
+            _mm512_mask_storeu_ps(y.add(j * y_stride + 16), masks[1], a[1]);
+        }
+    }
+
+    /// At column pair `p` of a panel (32 rows: 128 bytes of BF16), the same
+    /// share of the next panel's bytes, into L2.
+    #[inline(always)]
+    fn prefetch_ahead(ahead: &[u8], p: usize) {
+        if let Some(line) = ahead.get(128 * p..) {
+            // SAFETY: a prefetch never faults; SSE is baseline on x86-64.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().wrapping_add(64) as *const i8);
+            }
+        }
+    }
+
+    /// The f32 micro-kernel for `n ≤ 12` tokens of `x` (`2 · pairs` floats
+    /// each): `y[j][0..32] (masked) = panel · x[j]`.
+    ///
+    /// # Safety
+    /// AVX-512F; `panel` holds `pairs` × 32 words, `x` `n` tokens, `y` rows
+    /// `j · y_stride` up to the last unmasked lane.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_f32(
+        n: usize,
+        panel: *const u32,
+        pairs: usize,
+        x: &[f32],
+        y: *mut f32,
+        y_stride: usize,
+        masks: [u16; 2],
+        ahead: &[u8],
+    ) {
+        macro_rules! by_n {
+            ($($n:literal)*) => {
+                match n {
+                    $($n => tile_f32_n::<$n>(panel, pairs, x.as_ptr(), y, y_stride, masks, ahead),)*
+                    _ => unreachable!("1..=NR tokens"),
+                }
+            };
+        }
+        debug_assert!((1..=NR).contains(&n) && x.len() == n * 2 * pairs);
+        by_n!(1 2 3 4 5 6 7 8 9 10 11 12)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_f32_n<const N: usize>(
+        panel: *const u32,
+        pairs: usize,
+        x: *const f32,
+        y: *mut f32,
+        y_stride: usize,
+        masks: [u16; 2],
+        ahead: &[u8],
+    ) {
+        let cols = 2 * pairs;
+        let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for p in 0..pairs {
+            prefetch_ahead(ahead, p);
+            let l0 = _mm512_load_si512(panel.add(p * 32) as *const _);
+            let l1 = _mm512_load_si512(panel.add(p * 32 + 16) as *const _);
+            // Column 2p is each word's low half, 2p + 1 its high half.
+            let even =
+                [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(l0)), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(l1))];
+            let odd =
+                [_mm512_castsi512_ps(_mm512_and_si512(l0, high)), _mm512_castsi512_ps(_mm512_and_si512(l1, high))];
+            for (j, a) in acc.iter_mut().enumerate() {
+                let xj = x.add(j * cols + 2 * p);
+                let (x0, x1) = (_mm512_set1_ps(*xj), _mm512_set1_ps(*xj.add(1)));
+                a[0] = _mm512_fmadd_ps(odd[0], x1, _mm512_fmadd_ps(even[0], x0, a[0]));
+                a[1] = _mm512_fmadd_ps(odd[1], x1, _mm512_fmadd_ps(even[1], x0, a[1]));
             }
         }
         for (j, a) in acc.iter().enumerate() {
@@ -531,6 +737,30 @@ mod tests {
         for i in 0..16 {
             for j in 0..16 {
                 assert_eq!(t[j][i], r[i][j]);
+            }
+        }
+    }
+
+    #[test]
+    fn the_f32_kernel_matches_its_twin() {
+        let Some(isa) = Isa::supported().into_iter().find(|&i| f32_available(i)) else {
+            eprintln!("no AVX-512 here: the f32 panel kernel is covered on machines that have it");
+            return;
+        };
+        // Ragged rows (mod 16, mod 32), tokens (mod 12, and past a token
+        // block: 4864 columns take 36 tokens per block).
+        for (rows, cols, t) in [(1, 2, 1), (5, 10, 2), (17, 34, 13), (64, 128, 25), (40, 896, 12), (33, 4864, 50)] {
+            let w: Vec<bf16> = synth(rows * cols, rows as u64).iter().map(|&v| bf16::from_f32(v)).collect();
+            let x = synth(t * cols, t as u64 + 5);
+            let mut want = vec![0.0; t * rows];
+            matmul_f32_reference(&w, cols, &x, &mut want);
+            let mut y = vec![f32::NAN; t * rows];
+            let out = Out::new(&mut y, rows);
+            let mid = ((rows / 2).div_ceil(PANEL) * PANEL).min(rows);
+            matmul_rows_f32(isa, &w, cols, 0..mid, &x, &out);
+            matmul_rows_f32(isa, &w, cols, mid..rows, &x, &out);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-6 * (cols as f32), "{rows}x{cols} t={t}: {a} vs {b}");
             }
         }
     }
