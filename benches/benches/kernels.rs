@@ -53,7 +53,7 @@ fn bench_matmul(c: &mut Criterion) {
         group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
         for (name, weights) in [("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
             let m = MatRef::new(weights, rows, cols);
-            for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
+            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
                 for p in Precision::ALL {
                     group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
                         b.iter(|| matmul_with(isa, p, m, &x, &mut y))
@@ -97,7 +97,7 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("batched decode {SEQS}x{cols} @ {rows}x{cols}T"));
         group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
         let m = MatRef::new(Weights::Bf16(&wb), rows, cols);
-        for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
+        for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
             group.bench_function(format!("bf16 {} 1 thread", isa.name()), |b| {
                 b.iter(|| matmul_with(isa, Precision::Fast, m, &x, &mut y))
             });

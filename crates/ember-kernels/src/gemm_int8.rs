@@ -41,8 +41,8 @@ const LINES_PER_BLOCK: usize = 2 * (QK_A8 / 4) + 2;
 /// AVX512-VNNI, by name.
 pub fn available(isa: Isa) -> bool {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 | Tier::Avx512 => false,
-        Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 => false,
+        Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
 }
 
