@@ -260,10 +260,10 @@ pub enum Precision {
     Exact,
     /// Where the CPU has BF16 dot products (AVX512-BF16) that outrun its f32
     /// FMA ([`gemm_bf16::pays_off`]), BF16 weights meet
-    /// activations rounded to [`gemm_bf16::FAST_TERMS`] BF16 terms; where it
-    /// has VNNI, INT8 and INT4 weights meet int8 activation blocks in integer
-    /// dot products (as decoding does). Elsewhere, and for other weight
-    /// types, the exact path.
+    /// activations rounded to [`gemm_bf16::FAST_TERMS`] BF16 terms; on every
+    /// x86 tier, INT8 and INT4 weights meet int8 activation blocks in integer
+    /// dot products (as decoding does; VNNI where the tier has it).
+    /// Elsewhere, and for other weight types, the exact path.
     #[default]
     Fast,
 }
