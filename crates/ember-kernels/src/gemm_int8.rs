@@ -28,7 +28,9 @@
 //! are not. So the `Maddubs` panel holds INT8 codes signed, `q = u − 128`
 //! (offset 0), and the kernel multiplies `|q|` by `x` with `q`'s sign moved
 //! onto it (`vpsignb`): `|q| ≤ 128` and `|x| ≤ 127` keep each pair within
-//! ±32 512. The integer sums are exact in every kernel.
+//! ±32 512. The integer sums are exact in every kernel, and each is scaled
+//! and added to its row's f32 in block order, so the kernels agree bit for
+//! bit (a test checks it).
 //!
 //! **Layout.** Like [`crate::gemm_bf16`]: each thread packs a panel of weight
 //! rows (two registers of i32 lanes: 32 rows for zmm, 16 for ymm), per block
@@ -522,7 +524,8 @@ mod tests {
     use crate::formats::{f16, BlockQ4, BlockQ8, Int4, Int8};
     use crate::testutil::synth;
 
-    fn check<F: Format<Act = BlockA8>>(isa: Isa, rows: usize, cols: usize, t: usize) {
+    /// `y (T, rows)` from `isa`'s kernel, checked against the reference.
+    fn check<F: Format<Act = BlockA8>>(isa: Isa, rows: usize, cols: usize, t: usize) -> Vec<f32> {
         let w = synth(rows * cols, rows as u64 + 1);
         let mut q = vec![F::ZERO; rows * cols / QK_A8];
         F::quantize_row(&w, &mut q);
@@ -540,6 +543,7 @@ mod tests {
         for (a, b) in y.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * (cols as f32), "{isa:?} {} {rows}x{cols} t={t}: {a} vs {b}", F::NAME);
         }
+        y
     }
 
     /// The tiers this machine has that run an integer kernel (all but scalar
@@ -569,20 +573,17 @@ mod tests {
 
     #[test]
     fn the_kernel_matches_the_decoding_reference() {
-        for isa in kernels_here() {
-            // Ragged rows (mod 8, 16, 32) and tokens (mod 2, 3, 6).
-            for (rows, cols, t) in [
-                (1, 32, 1),
-                (5, 64, 2),
-                (11, 64, 5),
-                (17, 96, 7),
-                (24, 96, 3),
-                (64, 128, 13),
-                (40, 896, 6),
-                (33, 32, 20),
-            ] {
-                check::<Int8>(isa, rows, cols, t);
-                check::<Int4>(isa, rows, cols, t);
+        // Ragged rows (mod 8, 16, 32) and tokens (mod 2, 3, 6).
+        for (rows, cols, t) in
+            [(1, 32, 1), (5, 64, 2), (11, 64, 5), (17, 96, 7), (24, 96, 3), (64, 128, 13), (40, 896, 6), (33, 32, 20)]
+        {
+            let (mut first8, mut first4) = (None, None);
+            for isa in kernels_here() {
+                let (y8, y4) = (check::<Int8>(isa, rows, cols, t), check::<Int4>(isa, rows, cols, t));
+                // Every kernel sums the same integers and adds each block's
+                // scaled sum to a row's f32 in the same order: the same bits.
+                assert_eq!(&y8, first8.get_or_insert_with(|| y8.clone()), "{isa:?} int8 {rows}x{cols} t={t}");
+                assert_eq!(&y4, first4.get_or_insert_with(|| y4.clone()), "{isa:?} int4 {rows}x{cols} t={t}");
             }
         }
         // The blocks' codes rebuild the weights, and lie below twice the
