@@ -14,7 +14,7 @@
 //!    the active [`Isa`]: the last such tier of [`Tier::ALL`].
 //!
 //! Tiers do not strictly nest: AVX-VNNI (256-bit `vpdpbusd`, Alder Lake and
-//! later clients) is not part of the AVX-512 tiers, whose own VNNI is
+//! later Intel clients) is not part of the AVX-512 tiers, whose own VNNI is
 //! AVX512-VNNI. Every tier above scalar has the AVX2 tier's features, every
 //! AVX-512 tier AVX-512F's, and the AVX-512 tiers with more instructions
 //! nest (`avx512vnni` ⊂ `avx512bf16` ⊂ `amx`).
@@ -131,7 +131,8 @@ pub enum Tier {
     Scalar,
     /// AVX2, FMA and F16C (Haswell and later, Zen and later).
     Avx2,
-    /// AVX2 plus AVX-VNNI (Alder Lake and later Intel clients, Zen 5):
+    /// AVX2 plus AVX-VNNI (Alder Lake and later Intel clients; Zen 5 and
+    /// Sapphire Rapids have it too, but run the AVX-512 tiers):
     /// `vpdpbusd` on 256-bit registers for the integer prefill products
     /// ([`crate::gemm_int8`]); everything else runs the AVX2 kernels.
     AvxVnni,
