@@ -597,9 +597,9 @@ mod tests {
         Int4::dequantize_reference(&q4, &mut d4);
         for (blocks, want) in [(Int8::codes(&q8[1]), &d8[32..]), (Int4::codes(&q4[1]), &d4[32..])] {
             let c = blocks.unwrap();
-            for j in 0..32 {
-                assert_eq!(c.d * (c.u[j] as i32 - c.offset) as f32, want[j]);
-                assert!((c.u[j] as i32) < 2 * c.offset);
+            for (&u, &want) in c.u.iter().zip(want) {
+                assert_eq!(c.d * (u as i32 - c.offset) as f32, want);
+                assert!((u as i32) < 2 * c.offset);
             }
         }
     }
