@@ -53,7 +53,7 @@ fn bench_matmul(c: &mut Criterion) {
         group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
         for (name, weights) in [("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
             let m = MatRef::new(weights, rows, cols);
-            for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
+            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
                 for p in Precision::ALL {
                     group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
                         b.iter(|| matmul_with(isa, p, m, &x, &mut y))
@@ -65,9 +65,10 @@ fn bench_matmul(c: &mut Criterion) {
     }
 }
 
-/// Prefill products over INT8 and INT4 weights at both precisions (fast:
-/// int8 activations and VNNI where the tier has it), and BF16 products for
-/// the few tokens of batched decoding (8 sequences).
+/// Prefill products over INT8 and INT4 weights at both precisions on every
+/// tier the CPU has (fast: int8 activations, with `vpmaddubsw` on AVX2 and
+/// AVX-512, `vpdpbusd` on the VNNI tiers), and BF16 products for the few
+/// tokens of batched decoding (8 sequences).
 fn bench_quantized_and_batched(c: &mut Criterion) {
     use ember_kernels::formats::{BlockQ4, BlockQ8, Format, Int4, Int8};
     for (rows, cols) in [(896, 896), (4864, 896), (896, 4864)] {
@@ -81,11 +82,12 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
         group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
         for (name, weights) in [("int8", Weights::Int8(&q8)), ("int4", Weights::Int4(&q4))] {
             let m = MatRef::new(weights, rows, cols);
-            let isa = Isa::active();
-            for p in Precision::ALL {
-                group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
-                    b.iter(|| matmul_with(isa, p, m, &x, &mut y))
-                });
+            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
+                for p in Precision::ALL {
+                    group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
+                        b.iter(|| matmul_with(isa, p, m, &x, &mut y))
+                    });
+                }
             }
         }
         group.finish();
@@ -97,7 +99,7 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("batched decode {SEQS}x{cols} @ {rows}x{cols}T"));
         group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
         let m = MatRef::new(Weights::Bf16(&wb), rows, cols);
-        for isa in Isa::supported().into_iter().filter(|i| i.tier() >= Tier::Avx2) {
+        for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
             group.bench_function(format!("bf16 {} 1 thread", isa.name()), |b| {
                 b.iter(|| matmul_with(isa, Precision::Fast, m, &x, &mut y))
             });

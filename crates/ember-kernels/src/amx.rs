@@ -65,8 +65,8 @@ const COL_CHUNK: usize = 1024;
 /// splitting); every tier says so by name.
 fn avx512(isa: Isa) -> bool {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 => false,
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => false,
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
 }
 

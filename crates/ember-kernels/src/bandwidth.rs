@@ -49,9 +49,13 @@ pub fn sum_words_with(isa: Isa, b: &[u8]) -> u64 {
         Tier::Scalar => sum_words(b),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier's features are present (`isa` is the proof).
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unsafe { sum_words_avx2(b) },
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+            sum_words_avx2(b)
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 

@@ -6,12 +6,18 @@
 //!
 //! 1. [`Features`] are detected once per process (CPUID through
 //!    `is_x86_feature_detected!`; AMX also asks Linux for the tile state).
-//! 2. `EMBER_ISA` masks that set: a tier name (`scalar`, `avx2`, `avx512`,
-//!    `avx512bf16`, `amx`) keeps only that tier's features, a comma-separated list of
-//!    feature names (`avx2,fma,f16c`) keeps those. The test suite runs once per
-//!    tier this way.
+//! 2. `EMBER_ISA` masks that set: a tier name (`scalar`, `avx2`, `avxvnni`,
+//!    `avx512`, `avx512vnni`, `avx512bf16`, `amx`) keeps only that tier's
+//!    features, a comma-separated list of feature names (`avx2,fma,f16c`)
+//!    keeps those. The test suite runs once per tier this way.
 //! 3. The best [`Tier`] whose [`Tier::requires`] the masked set covers becomes
-//!    the active [`Isa`].
+//!    the active [`Isa`]: the last such tier of [`Tier::ALL`].
+//!
+//! Tiers do not strictly nest: AVX-VNNI (256-bit `vpdpbusd`, Alder Lake and
+//! later Intel clients) is not part of the AVX-512 tiers, whose own VNNI is
+//! AVX512-VNNI. Every tier above scalar has the AVX2 tier's features, every
+//! AVX-512 tier AVX-512F's, and the AVX-512 tiers with more instructions
+//! nest (`avx512vnni` ⊂ `avx512bf16` ⊂ `amx`).
 //!
 //! An [`Isa`] can only be obtained from that detection ([`Isa::active`],
 //! [`Isa::get`], [`Isa::supported`], [`Isa::scalar`]), never built from a tier
@@ -25,7 +31,10 @@
 //! Each kernel table (a weight format's row in [`crate::formats`], the
 //! prefill micro-kernels in [`crate::matmul`], the vector kernels in
 //! [`crate::dot`]) matches on [`Tier`] exhaustively, without a wildcard: a new
-//! tier does not compile until every table says which kernels it runs.
+//! tier does not compile until every table says which kernels it runs. The
+//! VNNI tiers add one instruction, which only the integer prefill products
+//! use ([`crate::gemm_int8`]); every other table gives them the kernels of the
+//! tier they build on (`avx2`, `avx512`).
 
 use std::sync::OnceLock;
 
@@ -113,22 +122,32 @@ impl std::fmt::Debug for Features {
 }
 
 /// A tier of kernels: a named set of features that kernels are written for.
-/// Higher tiers require the features of the lower ones.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// [`Tier::ALL`] lists them from worst to best; they do not all nest (see the
+/// module docs), so tiers are not ordered by value: ask
+/// [`Tier::requires`] what one has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tier {
     /// Portable Rust; the specification every other tier is tested against.
     Scalar,
     /// AVX2, FMA and F16C (Haswell and later, Zen and later).
     Avx2,
+    /// AVX2 plus AVX-VNNI (Alder Lake and later Intel clients; Zen 5 and
+    /// Sapphire Rapids have it too, but run the AVX-512 tiers):
+    /// `vpdpbusd` on 256-bit registers for the integer prefill products
+    /// ([`crate::gemm_int8`]); everything else runs the AVX2 kernels.
+    AvxVnni,
     /// AVX2 plus AVX-512F (Skylake-SP and later, Zen 4 and later). Used where
     /// arithmetic bounds the work (prefill's matrix products); memory-bound
     /// kernels run their AVX2 versions, which already saturate the bus.
     Avx512,
-    /// AVX-512 plus AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire
-    /// Rapids and later, Zen 4 and later): `vdpbf16ps` multiplies BF16 pairs
-    /// at twice the f32 FMA's rate, used by prefill's products over BF16
-    /// weights at [`Precision::Fast`](crate::matmul::Precision)
-    /// ([`crate::gemm_bf16`]).
+    /// AVX-512 plus AVX512-VNNI (Cascade Lake, Ice Lake): `vpdpbusd` on
+    /// 512-bit registers for the integer prefill products
+    /// ([`crate::gemm_int8`]); everything else runs the AVX-512 kernels.
+    Avx512Vnni,
+    /// AVX512-VNNI plus AVX512-BF16 (Cooper Lake, Sapphire Rapids and later,
+    /// Zen 4 and later): `vdpbf16ps` multiplies BF16 pairs at twice the f32
+    /// FMA's rate, used by prefill's products over BF16 weights at
+    /// [`Precision::Fast`](crate::matmul::Precision) ([`crate::gemm_bf16`]).
     Avx512Bf16,
     /// The AVX512-BF16 tier plus AMX-BF16 tiles (Sapphire Rapids and later),
     /// granted by the OS. Used for prefill's products ([`crate::amx`]).
@@ -136,15 +155,20 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// All tiers, lowest first.
-    pub const ALL: [Tier; 5] = [Tier::Scalar, Tier::Avx2, Tier::Avx512, Tier::Avx512Bf16, Tier::Amx];
+    /// All tiers, worst first: of the tiers a CPU covers, the last is the
+    /// one it runs. AVX-VNNI comes before AVX-512: a CPU with both runs
+    /// AVX-512's wider f32 kernels (and, realistically, has AVX512-VNNI too).
+    pub const ALL: [Tier; 7] =
+        [Tier::Scalar, Tier::Avx2, Tier::AvxVnni, Tier::Avx512, Tier::Avx512Vnni, Tier::Avx512Bf16, Tier::Amx];
 
     /// The name used by `EMBER_ISA` and printed by `ember bench`.
     pub fn name(self) -> &'static str {
         match self {
             Tier::Scalar => "scalar",
             Tier::Avx2 => "avx2",
+            Tier::AvxVnni => "avxvnni",
             Tier::Avx512 => "avx512",
+            Tier::Avx512Vnni => "avx512vnni",
             Tier::Avx512Bf16 => "avx512bf16",
             Tier::Amx => "amx",
         }
@@ -154,17 +178,20 @@ impl Tier {
     pub const fn requires(self) -> Features {
         const AVX2: Features = Features::AVX2.union(Features::FMA).union(Features::F16C);
         const AVX512: Features = AVX2.union(Features::AVX512F);
-        const AVX512_BF16: Features = AVX512.union(Features::AVX512_BF16).union(Features::AVX512_VNNI);
+        const AVX512_VNNI: Features = AVX512.union(Features::AVX512_VNNI);
+        const AVX512_BF16: Features = AVX512_VNNI.union(Features::AVX512_BF16);
         match self {
             Tier::Scalar => Features::NONE,
             Tier::Avx2 => AVX2,
+            Tier::AvxVnni => AVX2.union(Features::AVX_VNNI),
             Tier::Avx512 => AVX512,
+            Tier::Avx512Vnni => AVX512_VNNI,
             Tier::Avx512Bf16 => AVX512_BF16,
             Tier::Amx => AVX512_BF16.union(Features::AMX_TILE).union(Features::AMX_BF16),
         }
     }
 
-    /// The best tier a feature set runs.
+    /// The best tier a feature set runs: the last of [`Tier::ALL`] it covers.
     fn best_for(features: Features) -> Tier {
         Tier::ALL.into_iter().rev().find(|t| features.contains(t.requires())).unwrap_or(Tier::Scalar)
     }
@@ -297,14 +324,48 @@ mod tests {
     }
 
     #[test]
-    fn tiers_nest() {
-        for w in Tier::ALL.windows(2) {
-            assert!(w[1].requires().contains(w[0].requires()) && w[1].requires() != w[0].requires());
+    fn tiers_contain_what_they_build_on() {
+        let has = |t: Tier, base: Tier| t.requires().contains(base.requires()) && t.requires() != base.requires();
+        for t in Tier::ALL {
+            match t {
+                Tier::Scalar => assert_eq!(t.requires(), Features::NONE),
+                Tier::Avx2 => assert!(has(t, Tier::Scalar)),
+                Tier::AvxVnni | Tier::Avx512 => assert!(has(t, Tier::Avx2), "{t:?}"),
+                Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => assert!(has(t, Tier::Avx512), "{t:?}"),
+            }
         }
-        assert_eq!(Tier::best_for(Features::NONE), Tier::Scalar);
-        // AVX-512 without F16C is not the AVX-512 tier (it needs the AVX2 one).
-        assert_eq!(Tier::best_for(Features::AVX512F | Features::AVX2 | Features::FMA), Tier::Scalar);
-        assert_eq!(Tier::best_for(Tier::Amx.requires()), Tier::Amx);
+        // AVX-VNNI is not part of AVX-512, nor the other way round.
+        assert!(!Tier::Avx512.requires().contains(Features::AVX_VNNI));
+        assert!(!Tier::AvxVnni.requires().contains(Features::AVX512F));
+        assert!(has(Tier::Avx512Bf16, Tier::Avx512Vnni) && has(Tier::Amx, Tier::Avx512Bf16));
+        // Every tier is the best one for exactly its own features.
+        for t in Tier::ALL {
+            assert_eq!(Tier::best_for(t.requires()), t);
+        }
+    }
+
+    #[test]
+    fn real_cpus_get_their_tier() {
+        let avx2 = Features::AVX2 | Features::FMA | Features::F16C;
+        let skylake_sp = avx2 | Features::AVX512F | Features::AVX512BW | Features::AVX512VL;
+        let cascade_lake = skylake_sp | Features::AVX512_VNNI;
+        let zen4 = cascade_lake | Features::AVX512_BF16;
+        let emerald_no_amx = zen4 | Features::AVX_VNNI;
+        let sapphire_rapids = emerald_no_amx | Features::AMX_TILE | Features::AMX_BF16 | Features::AMX_INT8;
+        for (features, tier) in [
+            (Features::NONE, Tier::Scalar),
+            (avx2, Tier::Avx2),
+            (avx2 | Features::AVX_VNNI, Tier::AvxVnni), // Alder Lake
+            (skylake_sp, Tier::Avx512),
+            (cascade_lake, Tier::Avx512Vnni),
+            (zen4, Tier::Avx512Bf16),
+            (emerald_no_amx, Tier::Avx512Bf16),
+            (sapphire_rapids, Tier::Amx),
+            // AVX-512 without F16C is not an AVX-512 tier (they build on AVX2).
+            (Features::AVX512F | Features::AVX2 | Features::FMA, Tier::Scalar),
+        ] {
+            assert_eq!(Tier::best_for(features), tier, "{features:?}");
+        }
     }
 
     #[test]

@@ -19,11 +19,13 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         Tier::Scalar => dot_f32_scalar(a, b),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier's features are present (`isa` is the proof).
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
             crate::formats::float::avx2::dot_f32(a, b)
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 
@@ -41,9 +43,13 @@ pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
         Tier::Scalar => axpy_scalar(a, x, y),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unsafe { avx2::axpy(a, x, y) },
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+            avx2::axpy(a, x, y)
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 

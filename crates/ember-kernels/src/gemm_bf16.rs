@@ -92,7 +92,7 @@ impl Acts<'_> {
 /// `vdpbf16ps`, by name.
 pub fn available(isa: Isa) -> bool {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 | Tier::Avx512 => false,
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni => false,
         Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
 }

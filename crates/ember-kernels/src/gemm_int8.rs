@@ -1,49 +1,125 @@
 //! Prefill products over INT8 and INT4 weights at integer speed, for
 //! [`Precision::Fast`](crate::matmul::Precision::Fast): the activations are
 //! quantized once per product to int8 blocks ([`BlockA8`], as decoding
-//! does), and blocks of weights meet them in integer dot products
-//! (`vpdpbusd`, AVX512-VNNI: 64 byte products per instruction, four times
-//! the f32 FMA's multiply-adds; measured 4.3× on this project's Xeon).
+//! does), and blocks of weights meet them in integer dot products on every
+//! x86 tier.
 //!
 //! Each weight block is read through its row's [`Format::codes`]: 32
 //! unsigned codes `u` with `w = d · (u − offset)` (INT8: `q + 128`, INT4: the
-//! nibble, offset 8). `vpdpbusd` multiplies unsigned by signed bytes, so
+//! nibble, offset 8). The instructions multiply unsigned by signed bytes, so
 //! `Σ u·x` is exact in i32 and `Σ w·x = d · (Σ u·x − offset · Σ x)`, the
 //! activation block's sum being stored with it. Per block and token, the
 //! integer sum is scaled by `d_w · d_x` into an f32 accumulator: the same
 //! arithmetic as the decoding kernels, so a prompt processed in one block
 //! gives what token-by-token decoding gives, up to f32 summation order.
 //!
-//! **Layout.** Like [`crate::gemm_bf16`]: each thread packs 32 weight rows
-//! into a panel, per block 8 groups of 4 codes × 32 rows (two lines each)
-//! and the 32 scales (two lines), then runs a 32-row × (up to) 6-token
-//! micro-kernel over every token: per block, 16 `vpdpbusd` per token into
+//! **Kernels**, one per instruction, chosen by tier name (`Kernel::of`):
+//!
+//! | kernel | tiers | instructions (byte products into i32) | panel rows × tokens |
+//! |---|---|---|---|
+//! | `Avx512Vnni` | `avx512vnni`, `avx512bf16`, `amx` | `vpdpbusd` zmm (64) | 32 × 6 |
+//! | `AvxVnni` | `avxvnni` | `vpdpbusd` ymm, VEX-encoded (32) | 16 × 3 |
+//! | `Maddubs` | `avx2`, `avx512` | `vpmaddubsw` then `vpmaddwd` ymm (32 per pair) | 16 × 2 |
+//!
+//! (`vpdpbusd` on zmm measured 4.3× the f32 FMA's multiply-adds on this
+//! project's Xeon; the 256-bit kernels have not been timed yet.)
+//! `vpmaddubsw` adds each pair of u8 · i8 products into an i16 that
+//! saturates: INT4's codes are safe (2 · 15 · 127 < 2¹⁵), INT8's (u up to 255)
+//! are not. So the `Maddubs` panel holds INT8 codes signed, `q = u − 128`
+//! (offset 0), and the kernel multiplies `|q|` by `x` with `q`'s sign moved
+//! onto it (`vpsignb`): `|q| ≤ 128` and `|x| ≤ 127` keep each pair within
+//! ±32 512. The integer sums are exact in every kernel, and each is scaled
+//! and added to its row's f32 in block order, so the kernels agree bit for
+//! bit (a test checks it).
+//!
+//! **Layout.** Like [`crate::gemm_bf16`]: each thread packs a panel of weight
+//! rows (two registers of i32 lanes: 32 rows for zmm, 16 for ymm), per block
+//! 9 slots of one 32-bit word per row, in row order: 8 groups of 4
+//! codes, then the scales. It then runs the kernel's micro-kernel over every
+//! token: per block and group, one multiply-add per register and token into
 //! integer accumulators started at `−offset · Σx`, then one conversion and
-//! one FMA per 16 rows and token.
+//! one FMA per register and token.
 
 use crate::cpu::{Isa, Tier};
 use crate::formats::{quantize_activations, ActType, BlockA8, Format, MatRef, QK_A8};
-use crate::gemm_bf16::{mask, Line};
+use crate::gemm_bf16::Line;
 use crate::matmul::Out;
 use crate::pool::ThreadPool;
 use std::cell::RefCell;
 
-/// Weight rows per panel: two 16-lane registers.
-pub const PANEL: usize = 32;
-/// Most tokens per micro-kernel call: 2 × 6 integer and 2 × 6 float
-/// accumulators of 32 registers.
-const NR: usize = 6;
-/// Lines per block in a panel: 8 groups of 4 codes and the scales, each as
-/// two 16-row lines.
-const LINES_PER_BLOCK: usize = 2 * (QK_A8 / 4) + 2;
+/// Slots per block in a panel: 8 groups of 4 codes, then the scales.
+const SLOTS: usize = QK_A8 / 4 + 1;
+/// Rows of a 256-bit kernel's panel: two 8-lane registers.
+const YMM_ROWS: usize = 16;
+/// Rows of the 512-bit kernel's panel: two 16-lane registers.
+const ZMM_ROWS: usize = 32;
 
-/// Whether the integer kernels can run on `isa`: the tiers with
-/// AVX512-VNNI, by name.
-pub fn available(isa: Isa) -> bool {
-    match isa.tier() {
-        Tier::Scalar | Tier::Avx2 | Tier::Avx512 => false,
-        Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+/// The micro-kernels, one per instruction that multiplies bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `vpmaddubsw` + `vpmaddwd` on 8-lane registers (AVX2).
+    Maddubs,
+    /// `vpdpbusd` on 8-lane registers (AVX-VNNI).
+    AvxVnni,
+    /// `vpdpbusd` on 16-lane registers (AVX512-VNNI).
+    Avx512Vnni,
+}
+
+impl Kernel {
+    /// The kernel of a tier, by name: the VNNI one it has, else AVX2's.
+    fn of(tier: Tier) -> Option<Kernel> {
+        let x86 = |k| cfg!(target_arch = "x86_64").then_some(k);
+        match tier {
+            Tier::Scalar => None,
+            Tier::Avx2 | Tier::Avx512 => x86(Kernel::Maddubs),
+            Tier::AvxVnni => x86(Kernel::AvxVnni),
+            Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => x86(Kernel::Avx512Vnni),
+        }
     }
+
+    /// Weight rows per panel.
+    fn rows(self) -> usize {
+        match self {
+            Kernel::Maddubs | Kernel::AvxVnni => YMM_ROWS,
+            Kernel::Avx512Vnni => ZMM_ROWS,
+        }
+    }
+
+    /// Most tokens per micro-kernel call: as many as the registers hold.
+    /// Each token takes two integer and two f32 accumulators (one per
+    /// register of rows); the group's two weight registers and the
+    /// broadcast activations take the rest. Two registers of rows rather
+    /// than one: each broadcast activation then serves twice the rows, and
+    /// a 256-bit VNNI group is 2 + 3 loads per 6 `vpdpbusd` (one register of
+    /// rows × 6 tokens would be 1 + 6).
+    fn tokens(self) -> usize {
+        match self {
+            // 16 ymm: 4N accumulators, 2 weights, their absolute values,
+            // the broadcast, its signed copy and `vpmaddwd`'s ones: N = 2
+            // (15 registers).
+            Kernel::Maddubs => 2,
+            // 16 ymm: 4N accumulators, 2 weights, the broadcast: N = 3 (15).
+            Kernel::AvxVnni => 3,
+            // 32 zmm: 4N accumulators, 2 weights, the broadcast: N = 6 (27).
+            Kernel::Avx512Vnni => 6,
+        }
+    }
+
+    /// Whether the panel holds codes signed (`u − offset`, the kernel then
+    /// subtracting no offset): where codes up to `2 · offset − 1` times
+    /// activations up to 127 would overflow `vpmaddubsw`'s i16 pair sums.
+    fn signed(self, offset: i32) -> bool {
+        match self {
+            Kernel::Maddubs => 2 * (2 * offset - 1) * 127 > i16::MAX as i32,
+            Kernel::AvxVnni | Kernel::Avx512Vnni => false,
+        }
+    }
+}
+
+/// Whether the integer kernels can run on `isa`: every x86 tier above
+/// scalar, by name.
+pub fn available(isa: Isa) -> bool {
+    Kernel::of(isa.tier()).is_some()
 }
 
 /// Activations `X (T, cols)` as int8 blocks, `cols / 32` per token.
@@ -72,25 +148,45 @@ thread_local! {
     static PANEL_BUF: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Packs rows `rows` (at most [`PANEL`]) of `w (·, blocks)` into `panel`;
-/// rows past the end are zero. Returns the rows' code offset.
-fn pack_panel<F: Format>(w: &[F::Block], blocks: usize, rows: std::ops::Range<usize>, panel: &mut [Line]) -> i32 {
-    debug_assert!(rows.len() <= PANEL && panel.len() == blocks * LINES_PER_BLOCK);
+/// How a panel's codes are to be read: the offset the kernel subtracts, and
+/// whether they are stored signed ([`Kernel::signed`]).
+#[derive(Clone, Copy)]
+struct Coding {
+    offset: i32,
+    signed: bool,
+}
+
+/// Packs rows `rows` (at most `kernel.rows()`) of `w (·, blocks)` into
+/// `panel (blocks, SLOTS, kernel.rows())` words; rows past the end are zero.
+fn pack_panel<F: Format>(
+    kernel: Kernel,
+    w: &[F::Block],
+    blocks: usize,
+    rows: std::ops::Range<usize>,
+    panel: &mut [Line],
+) -> Coding {
+    let height = kernel.rows();
+    debug_assert!(rows.len() <= height && panel.len() * 16 == blocks * SLOTS * height);
     panel.fill(Line([0; 16]));
-    let mut offset = 0;
+    let mut coding = Coding { offset: 0, signed: false };
     for (i, r) in rows.enumerate() {
-        let (line, lane) = (i / 16, i % 16);
         for (b, block) in w[r * blocks..(r + 1) * blocks].iter().enumerate() {
             let c = F::codes(block).expect("integer rows have codes");
-            offset = c.offset;
-            let lines = &mut panel[b * LINES_PER_BLOCK..(b + 1) * LINES_PER_BLOCK];
+            let signed = kernel.signed(c.offset);
+            coding = Coding { offset: if signed { 0 } else { c.offset }, signed };
+            // Signed codes as i8 bytes: `u − offset` is in −128..=127.
+            let shift = c.offset - coding.offset;
+            let mut put = |slot: usize, word: u32| {
+                let at = (b * SLOTS + slot) * height + i;
+                panel[at / 16].0[at % 16] = word;
+            };
             for (g, quad) in c.u.chunks_exact(4).enumerate() {
-                lines[2 * g + line].0[lane] = u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]]);
+                put(g, u32::from_le_bytes(std::array::from_fn(|k| (quad[k] as i32 - shift) as u8)));
             }
-            lines[LINES_PER_BLOCK - 2 + line].0[lane] = c.d.to_bits();
+            put(SLOTS - 1, c.d.to_bits());
         }
     }
-    offset
+    coding
 }
 
 /// Whether products with `w` can run here: a row read by int8 activations
@@ -103,40 +199,40 @@ pub fn handles(w: &MatRef) -> bool {
 /// of the format table that [`handles`] takes, `x` from [`prepare`]. Writes
 /// `y[t][r]` for `r` in `rows`, every token.
 pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<usize>, x: &Acts, out: &Out) {
-    assert!(available(isa), "the integer kernels need the AVX512-VNNI tiers");
+    let kernel = Kernel::of(isa.tier()).expect("the integer kernels need an x86 tier");
     let blocks = x.per_token;
     assert!(F::TYPE.act() == ActType::A8 && F::BLOCK_LEN == QK_A8 && rows.end * blocks <= w.len());
+    let (height, width) = (kernel.rows(), kernel.tokens());
     PANEL_BUF.with(|buf| {
         let mut panel = buf.borrow_mut();
-        panel.resize(blocks * LINES_PER_BLOCK, Line([0; 16]));
-        for r0 in rows.clone().step_by(PANEL) {
-            let r1 = (r0 + PANEL).min(rows.end);
-            let offset = pack_panel::<F>(w, blocks, r0..r1, &mut panel);
-            let valid = r1 - r0;
-            let masks = [mask(valid.min(16)), mask(valid.saturating_sub(16))];
-            for t0 in (0..x.tokens).step_by(NR) {
-                let n = NR.min(x.tokens - t0);
+        panel.resize(blocks * SLOTS * height / 16, Line([0; 16]));
+        for r0 in rows.clone().step_by(height) {
+            let r1 = (r0 + height).min(rows.end);
+            let coding = pack_panel::<F>(kernel, w, blocks, r0..r1, &mut panel);
+            for t0 in (0..x.tokens).step_by(width) {
+                let n = width.min(x.tokens - t0);
                 // SAFETY: this thread owns columns `rows` of every output
-                // row, and the kernel writes only the `valid` lanes at
-                // `r0..r1` of rows `t0..t0 + n`.
+                // row, and the kernel writes only the lanes at `r0..r1` of
+                // rows `t0..t0 + n`.
                 let y = unsafe { out.data.ptr(t0 * out.stride + r0, (t0 + n - 1) * out.stride + r1) };
+                let (p, xs) = (panel.as_ptr() as *const u32, &x.blocks[t0 * blocks..]);
+                let (valid, stride) = (r1 - r0, out.stride);
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512F and AVX512-VNNI are present
-                // (`available`); the panel holds `blocks` blocks of 32 rows,
-                // the activations `n` tokens from `t0`, and `y` reaches the
-                // last lane written.
+                // SAFETY: `kernel` is the tier's, whose features `isa` proves
+                // present; the panel holds `blocks` blocks of `height` rows,
+                // the activations `n ≤ width` tokens from `t0`, and `y`
+                // reaches the last lane written.
                 unsafe {
-                    avx512::tile(
-                        n,
-                        panel.as_ptr() as *const u32,
-                        blocks,
-                        &x.blocks[t0 * blocks..],
-                        offset,
-                        y,
-                        out.stride,
-                        masks,
-                    )
+                    match kernel {
+                        Kernel::Maddubs => {
+                            avx2::maddubs(n, coding.signed, p, blocks, xs, coding.offset, y, stride, valid)
+                        }
+                        Kernel::AvxVnni => avx2::vnni(n, p, blocks, xs, coding.offset, y, stride, valid),
+                        Kernel::Avx512Vnni => avx512::tile(n, p, blocks, xs, coding.offset, y, stride, valid),
+                    }
                 };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (coding, p, xs, y, valid, stride);
             }
         }
     });
@@ -156,18 +252,202 @@ pub fn matmul_reference<F: Format<Act = BlockA8>>(w: &[F::Block], x: &Acts, y: &
     }
 }
 
+/// The 256-bit kernels: 16-row panels, two 8-lane registers per slot.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{BlockA8, LINES_PER_BLOCK, NR};
+mod avx2 {
+    use super::{BlockA8, SLOTS, YMM_ROWS};
     use std::arch::x86_64::*;
 
-    /// The micro-kernel for `n ≤ 6` tokens: `y[j][0..32] (masked) =
+    /// The `vpmaddubsw` micro-kernel for `n ≤ 2` tokens: `y[j][0..valid] =
+    /// panel · x[j]`. With `signed`, the panel holds `u − offset` as i8
+    /// (and `offset` is 0).
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `panel` holds `blocks` packed blocks, `x` `n` tokens of
+    /// `blocks` blocks, `y` rows `j · y_stride` up to lane `valid ≤ 16`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn maddubs(
+        n: usize,
+        signed: bool,
+        panel: *const u32,
+        blocks: usize,
+        x: &[BlockA8],
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+    ) {
+        debug_assert!(x.len() >= n * blocks && valid <= YMM_ROWS);
+        let x = x.as_ptr();
+        match (n, signed) {
+            (1, false) => maddubs_n::<1, false>(panel, blocks, x, offset, y, y_stride, valid),
+            (2, false) => maddubs_n::<2, false>(panel, blocks, x, offset, y, y_stride, valid),
+            (1, true) => maddubs_n::<1, true>(panel, blocks, x, offset, y, y_stride, valid),
+            (2, true) => maddubs_n::<2, true>(panel, blocks, x, offset, y, y_stride, valid),
+            _ => unreachable!("1..=2 tokens"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn maddubs_n<const N: usize, const SIGNED: bool>(
+        panel: *const u32,
+        blocks: usize,
+        x: *const BlockA8,
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+    ) {
+        // (With signed codes, LLVM sums each token's 8 groups as a tree and
+        // so keeps a block's weights and their absolute values on the stack
+        // rather than in registers, as the release build's assembly shows:
+        // about 40 stores to L1 per block beside some 110 multiply uops on
+        // the same two ports. Not yet timed.)
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let p = panel.add(b * SLOTS * YMM_ROWS);
+            let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
+            let mut dot = start(&xb, offset);
+            for g in 0..SLOTS - 1 {
+                let w0 = _mm256_load_si256(p.add(YMM_ROWS * g) as *const _);
+                let w1 = _mm256_load_si256(p.add(YMM_ROWS * g + 8) as *const _);
+                // The unsigned operand: the codes, or |q| (|−128| is 128 as
+                // a u8).
+                let (a0, a1) = if SIGNED { (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1)) } else { (w0, w1) };
+                for (j, d) in dot.iter_mut().enumerate() {
+                    let q = _mm256_set1_epi32((xb[j].qs.as_ptr().add(4 * g) as *const i32).read_unaligned());
+                    // Signed codes' signs move onto the activations.
+                    let (q0, q1) = if SIGNED { (_mm256_sign_epi8(q, w0), _mm256_sign_epi8(q, w1)) } else { (q, q) };
+                    d[0] = _mm256_add_epi32(d[0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, q0), ones));
+                    d[1] = _mm256_add_epi32(d[1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, q1), ones));
+                }
+            }
+            scale(&mut acc, &dot, p.add(YMM_ROWS * (SLOTS - 1)), &xb);
+        }
+        store(&acc, y, y_stride, valid);
+    }
+
+    /// The AVX-VNNI micro-kernel for `n ≤ 3` tokens: `y[j][0..valid] =
     /// panel · x[j]`.
     ///
     /// # Safety
+    /// AVX2, FMA and AVX-VNNI; otherwise as [`maddubs`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    pub unsafe fn vnni(
+        n: usize,
+        panel: *const u32,
+        blocks: usize,
+        x: &[BlockA8],
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+    ) {
+        macro_rules! by_n {
+            ($($n:literal)*) => {
+                match n {
+                    $($n => vnni_n::<$n>(panel, blocks, x.as_ptr(), offset, y, y_stride, valid),)*
+                    _ => unreachable!("1..=3 tokens"),
+                }
+            };
+        }
+        debug_assert!(x.len() >= n * blocks && valid <= YMM_ROWS);
+        by_n!(1 2 3)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    unsafe fn vnni_n<const N: usize>(
+        panel: *const u32,
+        blocks: usize,
+        x: *const BlockA8,
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let p = panel.add(b * SLOTS * YMM_ROWS);
+            let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
+            let mut dot = start(&xb, offset);
+            for g in 0..SLOTS - 1 {
+                let w0 = _mm256_load_si256(p.add(YMM_ROWS * g) as *const _);
+                let w1 = _mm256_load_si256(p.add(YMM_ROWS * g + 8) as *const _);
+                for (j, d) in dot.iter_mut().enumerate() {
+                    let q = _mm256_set1_epi32((xb[j].qs.as_ptr().add(4 * g) as *const i32).read_unaligned());
+                    d[0] = _mm256_dpbusd_avx_epi32(d[0], w0, q);
+                    d[1] = _mm256_dpbusd_avx_epi32(d[1], w1, q);
+                }
+            }
+            scale(&mut acc, &dot, p.add(YMM_ROWS * (SLOTS - 1)), &xb);
+        }
+        store(&acc, y, y_stride, valid);
+    }
+
+    /// Each token's integer accumulators for a block, started at
+    /// `−offset · Σx`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn start<const N: usize>(xb: &[&BlockA8; N], offset: i32) -> [[__m256i; 2]; N] {
+        std::array::from_fn(|j| {
+            let c = _mm256_set1_epi32(-offset * xb[j].sum);
+            [c, c]
+        })
+    }
+
+    /// `acc[j] += f32(dot[j]) · (d_w · d_x[j])`, the 16 rows' scales `d_w`
+    /// at `scales`: the 512-bit kernel's arithmetic.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scale<const N: usize>(
+        acc: &mut [[__m256; 2]; N],
+        dot: &[[__m256i; 2]; N],
+        scales: *const u32,
+        xb: &[&BlockA8; N],
+    ) {
+        let s0 = _mm256_load_ps(scales as *const f32);
+        let s1 = _mm256_load_ps(scales.add(8) as *const f32);
+        for (j, a) in acc.iter_mut().enumerate() {
+            let dx = _mm256_set1_ps(xb[j].d);
+            a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][0]), _mm256_mul_ps(s0, dx), a[0]);
+            a[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][1]), _mm256_mul_ps(s1, dx), a[1]);
+        }
+    }
+
+    /// Token `j`'s 16 sums to `y + j · y_stride`, the first `valid` of them.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store<const N: usize>(acc: &[[__m256; 2]; N], y: *mut f32, y_stride: usize, valid: usize) {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32), lane);
+        let m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32 - 8), lane);
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_maskstore_ps(y.add(j * y_stride), m0, a[0]);
+            // Past the output's end when `valid ≤ 8`, where nothing is
+            // stored (masked lanes are not accessed).
+            _mm256_maskstore_ps(y.wrapping_add(j * y_stride + 8), m1, a[1]);
+        }
+    }
+}
+
+/// The 512-bit kernel: 32-row panels, two 16-lane registers per slot.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BlockA8, SLOTS, ZMM_ROWS};
+    use crate::gemm_bf16::mask;
+    use std::arch::x86_64::*;
+
+    /// The micro-kernel for `n ≤ 6` tokens: `y[j][0..valid] = panel · x[j]`.
+    ///
+    /// # Safety
     /// AVX-512F and AVX512-VNNI; `panel` holds `blocks` packed blocks, `x` `n`
-    /// tokens of `blocks` blocks, `y` rows `j · y_stride` up to the last
-    /// unmasked lane.
+    /// tokens of `blocks` blocks, `y` rows `j · y_stride` up to lane
+    /// `valid ≤ 32`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512vnni")]
     pub unsafe fn tile(
@@ -178,17 +458,18 @@ mod avx512 {
         offset: i32,
         y: *mut f32,
         y_stride: usize,
-        masks: [u16; 2],
+        valid: usize,
     ) {
+        let masks = [mask(valid.min(16)), mask(valid.saturating_sub(16))];
         macro_rules! by_n {
             ($($n:literal)*) => {
                 match n {
                     $($n => tile_n::<$n>(panel, blocks, x.as_ptr(), offset, y, y_stride, masks),)*
-                    _ => unreachable!("1..=NR tokens"),
+                    _ => unreachable!("1..=6 tokens"),
                 }
             };
         }
-        debug_assert!((1..=NR).contains(&n) && x.len() >= n * blocks);
+        debug_assert!(x.len() >= n * blocks && valid <= ZMM_ROWS);
         by_n!(1 2 3 4 5 6)
     }
 
@@ -205,24 +486,24 @@ mod avx512 {
     ) {
         let mut acc = [[_mm512_setzero_ps(); 2]; N];
         for b in 0..blocks {
-            let p = panel.add(b * LINES_PER_BLOCK * 16);
+            let p = panel.add(b * SLOTS * ZMM_ROWS);
             let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
             // Σ u·x − offset·Σx, in i32.
             let mut dot: [[__m512i; 2]; N] = std::array::from_fn(|j| {
                 let c = _mm512_set1_epi32(-offset * xb[j].sum);
                 [c, c]
             });
-            for g in 0..LINES_PER_BLOCK / 2 - 1 {
-                let w0 = _mm512_load_si512(p.add(32 * g) as *const _);
-                let w1 = _mm512_load_si512(p.add(32 * g + 16) as *const _);
+            for g in 0..SLOTS - 1 {
+                let w0 = _mm512_load_si512(p.add(ZMM_ROWS * g) as *const _);
+                let w1 = _mm512_load_si512(p.add(ZMM_ROWS * g + 16) as *const _);
                 for (j, d) in dot.iter_mut().enumerate() {
                     let q = _mm512_set1_epi32((xb[j].qs.as_ptr().add(4 * g) as *const i32).read_unaligned());
                     d[0] = _mm512_dpbusd_epi32(d[0], w0, q);
                     d[1] = _mm512_dpbusd_epi32(d[1], w1, q);
                 }
             }
-            let s0 = _mm512_load_ps(p.add(16 * (LINES_PER_BLOCK - 2)) as *const f32);
-            let s1 = _mm512_load_ps(p.add(16 * (LINES_PER_BLOCK - 1)) as *const f32);
+            let s0 = _mm512_load_ps(p.add(ZMM_ROWS * (SLOTS - 1)) as *const f32);
+            let s1 = _mm512_load_ps(p.add(ZMM_ROWS * (SLOTS - 1) + 16) as *const f32);
             for (j, a) in acc.iter_mut().enumerate() {
                 let dx = _mm512_set1_ps(xb[j].d);
                 a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][0]), _mm512_mul_ps(s0, dx), a[0]);
@@ -231,7 +512,8 @@ mod avx512 {
         }
         for (j, a) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(y.add(j * y_stride), masks[0], a[0]);
-            _mm512_mask_storeu_ps(y.add(j * y_stride + 16), masks[1], a[1]);
+            // Past the output's end when `valid ≤ 16`, where the mask is 0.
+            _mm512_mask_storeu_ps(y.wrapping_add(j * y_stride + 16), masks[1], a[1]);
         }
     }
 }
@@ -239,10 +521,11 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::{BlockQ4, BlockQ8, Int4, Int8};
+    use crate::formats::{f16, BlockQ4, BlockQ8, Int4, Int8};
     use crate::testutil::synth;
 
-    fn check<F: Format<Act = BlockA8>>(isa: Isa, rows: usize, cols: usize, t: usize) {
+    /// `y (T, rows)` from `isa`'s kernel, checked against the reference.
+    fn check<F: Format<Act = BlockA8>>(isa: Isa, rows: usize, cols: usize, t: usize) -> Vec<f32> {
         let w = synth(rows * cols, rows as u64 + 1);
         let mut q = vec![F::ZERO; rows * cols / QK_A8];
         F::quantize_row(&w, &mut q);
@@ -253,26 +536,58 @@ mod tests {
         matmul_reference::<F>(&q, &acts, &mut want);
         let mut y = vec![f32::NAN; t * rows];
         let out = Out::new(&mut y, rows);
-        let mid = ((rows / 2).div_ceil(PANEL) * PANEL).min(rows);
+        // Two shares, the second starting anywhere (not on a panel).
+        let mid = (rows / 2 + 3).min(rows);
         matmul_rows::<F>(isa, &q, 0..mid, &acts, &out);
         matmul_rows::<F>(isa, &q, mid..rows, &acts, &out);
         for (a, b) in y.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5 * (cols as f32), "{} {rows}x{cols} t={t}: {a} vs {b}", F::NAME);
+            assert!((a - b).abs() <= 1e-5 * (cols as f32), "{isa:?} {} {rows}x{cols} t={t}: {a} vs {b}", F::NAME);
         }
+        y
+    }
+
+    /// The tiers this machine has that run an integer kernel (all but scalar
+    /// on x86), each named with the kernel it runs.
+    fn kernels_here() -> Vec<Isa> {
+        let isas: Vec<Isa> = Isa::supported().into_iter().filter(|&i| available(i)).collect();
+        if isas.is_empty() {
+            eprintln!("no x86 tier here: the integer kernels are covered on machines that have one");
+        }
+        isas
+    }
+
+    #[test]
+    fn every_x86_tier_has_an_integer_kernel() {
+        for tier in Tier::ALL {
+            let kernel = Kernel::of(tier);
+            assert_eq!(kernel.is_some(), tier != Tier::Scalar && cfg!(target_arch = "x86_64"), "{tier:?}");
+            if let Some(k) = kernel {
+                // Whole 16-word lines per slot; shares of 32 rows are whole panels.
+                assert!(k.rows() % 16 == 0 && 32 % k.rows() == 0);
+            }
+        }
+        // Only AVX2's kernel stores INT8's codes signed; INT4's never are.
+        assert!(Kernel::Maddubs.signed(128) && !Kernel::Maddubs.signed(8));
+        assert!(!Kernel::AvxVnni.signed(128) && !Kernel::Avx512Vnni.signed(128));
     }
 
     #[test]
     fn the_kernel_matches_the_decoding_reference() {
-        let Some(isa) = Isa::supported().into_iter().find(|&i| available(i)) else {
-            eprintln!("no AVX512-VNNI here: the kernel is covered on machines that have it");
-            return;
-        };
-        // Ragged rows (mod 16, mod 32) and tokens (mod 6).
-        for (rows, cols, t) in [(1, 32, 1), (5, 64, 2), (17, 96, 7), (64, 128, 13), (40, 896, 6), (33, 32, 20)] {
-            check::<Int8>(isa, rows, cols, t);
-            check::<Int4>(isa, rows, cols, t);
+        // Ragged rows (mod 8, 16, 32) and tokens (mod 2, 3, 6).
+        for (rows, cols, t) in
+            [(1, 32, 1), (5, 64, 2), (11, 64, 5), (17, 96, 7), (24, 96, 3), (64, 128, 13), (40, 896, 6), (33, 32, 20)]
+        {
+            let (mut first8, mut first4) = (None, None);
+            for isa in kernels_here() {
+                let (y8, y4) = (check::<Int8>(isa, rows, cols, t), check::<Int4>(isa, rows, cols, t));
+                // Every kernel sums the same integers and adds each block's
+                // scaled sum to a row's f32 in the same order: the same bits.
+                assert_eq!(&y8, first8.get_or_insert_with(|| y8.clone()), "{isa:?} int8 {rows}x{cols} t={t}");
+                assert_eq!(&y4, first4.get_or_insert_with(|| y4.clone()), "{isa:?} int4 {rows}x{cols} t={t}");
+            }
         }
-        // The blocks' codes rebuild the weights.
+        // The blocks' codes rebuild the weights, and lie below twice the
+        // offset (what signed storage relies on).
         let w = synth(64, 3);
         let (mut q8, mut q4) = ([BlockQ8::ZERO; 2], [BlockQ4::ZERO; 2]);
         Int8::quantize_row(&w, &mut q8);
@@ -282,9 +597,53 @@ mod tests {
         Int4::dequantize_reference(&q4, &mut d4);
         for (blocks, want) in [(Int8::codes(&q8[1]), &d8[32..]), (Int4::codes(&q4[1]), &d4[32..])] {
             let c = blocks.unwrap();
-            for j in 0..32 {
-                assert_eq!(c.d * (c.u[j] as i32 - c.offset) as f32, want[j]);
+            for (&u, &want) in c.u.iter().zip(want) {
+                assert_eq!(c.d * (u as i32 - c.offset) as f32, want);
+                assert!((u as i32) < 2 * c.offset);
             }
+        }
+    }
+
+    /// Codes at the ends of their ranges (INT8 −128, −127 and 127; INT4
+    /// nibbles 0 and 15) against activations of ±127, with scales of 1 so
+    /// that every sum is an integer f32 holds exactly: the kernels equal the
+    /// reference bit for bit, so no 16-bit pair sum of `vpmaddubsw` saturated
+    /// (−128 · −127 twice is 32 512, just inside).
+    #[test]
+    fn extreme_codes_sum_exactly() {
+        let (rows, blocks, t) = (19, 3, 5);
+        let q8 = [[-128i8; 32], [127; 32], [-127; 32], std::array::from_fn(|j| if j % 2 == 0 { -128 } else { 127 })];
+        let q4 = [[0x00u8; 16], [0xff; 16], [0x0f; 16], [0xf0; 16]];
+        let a8 = [[127i8; 32], [-127; 32], std::array::from_fn(|j| if j % 3 == 0 { -127 } else { 127 })];
+        // Rows 0..4 and tokens 0..3 keep one pattern in every block, the
+        // others change it from block to block.
+        let split = |i: usize| (i / blocks, i % blocks);
+        let w8: Vec<BlockQ8> = (0..rows * blocks)
+            .map(split)
+            .map(|(r, b)| BlockQ8 { d: f16::ONE, qs: q8[(r + b * (r / 4)) % 4] })
+            .collect();
+        let w4: Vec<BlockQ4> = (0..rows * blocks)
+            .map(split)
+            .map(|(r, b)| BlockQ4 { d: f16::ONE, qs: q4[(r + b * (r / 4)) % 4] })
+            .collect();
+        let xs: Vec<BlockA8> = (0..t * blocks)
+            .map(split)
+            .map(|(j, b)| {
+                let qs = a8[(j + b * (j / 3)) % 3];
+                BlockA8 { d: 1.0, sum: qs.iter().map(|&q| q as i32).sum(), qs }
+            })
+            .collect();
+        let acts = Acts { blocks: &xs, tokens: t, per_token: blocks };
+        for isa in kernels_here() {
+            let (mut want, mut y) = (vec![0.0; t * rows], vec![f32::NAN; t * rows]);
+            matmul_reference::<Int8>(&w8, &acts, &mut want);
+            // Row 0 (all −128) against token 1 (all −127).
+            assert_eq!(want[rows], (blocks * 32 * 128 * 127) as f32);
+            matmul_rows::<Int8>(isa, &w8, 0..rows, &acts, &Out::new(&mut y, rows));
+            assert_eq!(y, want, "{isa:?} int8");
+            matmul_reference::<Int4>(&w4, &acts, &mut want);
+            matmul_rows::<Int4>(isa, &w4, 0..rows, &acts, &Out::new(&mut y, rows));
+            assert_eq!(y, want, "{isa:?} int4");
         }
     }
 }

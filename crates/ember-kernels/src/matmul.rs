@@ -32,10 +32,12 @@ const ALIGN: usize = 32;
 /// The micro-kernel's (rows, tokens) for a tier: 4 × 3 for AVX2 (12 of 16
 /// registers accumulate), 8 × 3 for AVX-512 (24 of 32). Taller rather than
 /// wider: each activation row read from L2 then serves more weight rows.
+/// (VNNI adds nothing to f32 products: those tiers run the kernels of the
+/// tier below them.)
 fn shape_for(isa: Isa) -> (usize, usize) {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 => (4, 3),
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => (8, 3),
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => (4, 3),
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => (8, 3),
     }
 }
 
@@ -50,15 +52,17 @@ fn tile_kernel(isa: Isa, mr: usize, nr: usize) -> Option<TileKernel> {
     match isa.tier() {
         Tier::Scalar => None,
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx2 => (mr == 4).then(|| avx2::tile_4xn(nr)).flatten(),
+        Tier::Avx2 | Tier::AvxVnni => (mr == 4).then(|| avx2::tile_4xn(nr)).flatten(),
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => match mr {
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => match mr {
             8 => avx512::tile_8xn(nr),
             4 => avx2::tile_4xn(nr),
             _ => None,
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 
@@ -179,9 +183,9 @@ fn few_tokens_rows(
     out: &Out,
 ) -> bool {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 => false,
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => false,
         #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
             let t = x.len() / cols;
             debug_assert!((1..=SMALL_BATCH).contains(&t));
             let row = |i: usize| &w[i * cols..(i + 1) * cols];
@@ -221,7 +225,9 @@ fn few_tokens_rows(
             true
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 
@@ -290,10 +296,10 @@ pub enum Precision {
     Exact,
     /// Where the CPU has BF16 dot products (AVX512-BF16) that outrun its f32
     /// FMA ([`gemm_bf16::pays_off`]), BF16 weights meet
-    /// activations rounded to [`gemm_bf16::FAST_TERMS`] BF16 terms; where it
-    /// has VNNI, INT8 and INT4 weights meet int8 activation blocks in integer
-    /// dot products (as decoding does). Elsewhere, and for other weight
-    /// types, the exact path.
+    /// activations rounded to [`gemm_bf16::FAST_TERMS`] BF16 terms; on every
+    /// x86 tier, INT8 and INT4 weights meet int8 activation blocks in integer
+    /// dot products (as decoding does; VNNI where the tier has it).
+    /// Elsewhere, and for other weight types, the exact path.
     #[default]
     Fast,
 }

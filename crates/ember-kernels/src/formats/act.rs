@@ -30,11 +30,13 @@ pub fn quantize_activations(isa: Isa, x: &[f32], dst: &mut [BlockA8]) {
         Tier::Scalar => quantize_activations_scalar(x, dst),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier's features are present (`isa` is the proof).
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unsafe {
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => unsafe {
             super::int_avx2::quantize_activations(x, dst)
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
+        }
     }
 }
 

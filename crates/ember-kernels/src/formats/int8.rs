@@ -89,12 +89,12 @@ impl Format for Int8 {
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx2 as k;
                 Kernels { dot: k::dot_q8, rows4: k::rows4_q8, dequantize: k::dequantize_q8 }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => {
+            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 unreachable!("x86 tiers are only detected on x86")
             }
         }
