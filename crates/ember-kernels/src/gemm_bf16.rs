@@ -101,8 +101,8 @@ pub fn available(isa: Isa) -> bool {
 /// run on `isa`: the AVX-512 tiers, by name.
 pub fn f32_available(isa: Isa) -> bool {
     match isa.tier() {
-        Tier::Scalar | Tier::Avx2 => false,
-        Tier::Avx512 | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => false,
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
     }
 }
 
