@@ -175,8 +175,6 @@ pub fn quantize_q4_row(src: &[f32], dst: &mut [BlockQ4]) {
     }
 }
 
-/// INT4 blocks back to f32.
-
 #[cfg(test)]
 mod tests {
     use super::*;

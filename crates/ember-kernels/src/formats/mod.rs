@@ -181,15 +181,20 @@ pub struct Codes {
     pub offset: i32,
 }
 
+/// A row kernel: `w (n,) · x`.
+pub type DotKernel<F> = unsafe fn(&[<F as Format>::Block], &[<F as Format>::Act]) -> f32;
+/// A four-row kernel: four rows against the same activations.
+pub type Rows4Kernel<F> = unsafe fn([&[<F as Format>::Block]; 4], &[<F as Format>::Act]) -> [f32; 4];
+
 /// One tier's kernels for a weight type. Each requires the CPU to have the
 /// tier's features, hence `unsafe`; an [`Isa`] is the proof.
 pub struct Kernels<F: Format> {
     /// `w (n,) · x`, the lengths agreeing.
-    pub dot: unsafe fn(&[F::Block], &[F::Act]) -> f32,
+    pub dot: DotKernel<F>,
     /// Four rows against the same activations: `[w0 · x, w1 · x, w2 · x, w3 · x]`.
     /// The mat-vec passes rows from the four quarters of a matrix, so four
     /// memory streams are in flight.
-    pub rows4: unsafe fn([&[F::Block]; 4], &[F::Act]) -> [f32; 4],
+    pub rows4: Rows4Kernel<F>,
     /// Blocks widened to f32 (`dst.len() == src.len() * BLOCK_LEN`).
     pub dequantize: unsafe fn(&[F::Block], &mut [f32]),
 }
