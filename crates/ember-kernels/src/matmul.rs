@@ -1,13 +1,24 @@
-//! Matrix-matrix products for prefill: a block of tokens through one weight
-//! matrix. `Y (T, rows) = X (T, cols) @ Wᵀ`, `W (rows, cols)` in its stored
-//! precision.
+//! Matrix-matrix products for prefill and batched decode: a block of tokens
+//! through one weight matrix. `Y (T, rows) = X (T, cols) @ Wᵀ`, `W (rows,
+//! cols)` in its stored precision.
 //!
 //! Prompt processing is compute-bound: each weight read from memory is used
 //! for every token of the block. Each thread takes a contiguous share of W's
-//! rows (so W is streamed once per token block), widens four rows at a time to
-//! an f32 panel that stays in L1/L2, and runs a register-tiled micro-kernel of
-//! 4 rows × 3 tokens (12 accumulators) over it. Tokens go in blocks of
-//! [`TOKEN_BLOCK`] so the activations a panel meets stay in L2.
+//! rows (so W is streamed once per token block). Which kernel multiplies
+//! depends on the weight type, the tier and the [`Precision`]
+//! (`product_rows` is the dispatch):
+//!
+//! | weights | kernel |
+//! |---|---|
+//! | INT8/INT4 at fast precision | [`gemm_int8`]: int8 activations, integer dot products |
+//! | BF16, F16 on AMX | [`amx`]: BF16 tiles, activations as exact BF16 terms |
+//! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
+//! | BF16, ≤ 8 tokens whose activations fit L1, AVX-512 | `few_tokens_rows`: rows streamed like a mat-vec |
+//! | BF16 otherwise, AVX-512 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
+//! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
+//!
+//! In the last, tokens go in blocks of [`TOKEN_BLOCK`] so the activations a
+//! panel meets stay in L2.
 
 use crate::amx;
 use crate::cpu::{Isa, Tier};
