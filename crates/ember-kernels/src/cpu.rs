@@ -16,8 +16,8 @@
 //! Tiers do not strictly nest: AVX-VNNI (256-bit `vpdpbusd`, Alder Lake and
 //! later Intel clients) is not part of the AVX-512 tiers, whose own VNNI is
 //! AVX512-VNNI. Every tier above scalar has the AVX2 tier's features, every
-//! AVX-512 tier AVX-512F's, and the AVX-512 tiers with more instructions
-//! nest (`avx512vnni` ⊂ `avx512bf16` ⊂ `amx`).
+//! AVX-512 tier AVX-512F's and AVX-512BW's, and the AVX-512 tiers with more
+//! instructions nest (`avx512vnni` ⊂ `avx512bf16` ⊂ `amx`).
 //!
 //! An [`Isa`] can only be obtained from that detection ([`Isa::active`],
 //! [`Isa::get`], [`Isa::supported`], [`Isa::scalar`]), never built from a tier
@@ -136,9 +136,12 @@ pub enum Tier {
     /// `vpdpbusd` on 256-bit registers for the integer prefill products
     /// ([`crate::gemm_int8`]); everything else runs the AVX2 kernels.
     AvxVnni,
-    /// AVX2 plus AVX-512F (Skylake-SP and later, Zen 4 and later). Used where
-    /// arithmetic bounds the work (prefill's matrix products); memory-bound
-    /// kernels run their AVX2 versions, which already saturate the bus.
+    /// AVX2 plus AVX-512F and AVX-512BW (Skylake-SP and later, Zen 4 and
+    /// later: every AVX-512 CPU but Xeon Phi, whose Knights Landing lacks BW
+    /// and so runs `avx2`). Used where arithmetic bounds the work (prefill's
+    /// matrix products; BW for the byte and word products of
+    /// [`crate::gemm_int8`]); memory-bound kernels run their AVX2 versions,
+    /// which already saturate the bus.
     Avx512,
     /// AVX-512 plus AVX512-VNNI (Cascade Lake, Ice Lake): `vpdpbusd` on
     /// 512-bit registers for the integer prefill products
@@ -177,7 +180,7 @@ impl Tier {
     /// The features this tier's kernels use.
     pub const fn requires(self) -> Features {
         const AVX2: Features = Features::AVX2.union(Features::FMA).union(Features::F16C);
-        const AVX512: Features = AVX2.union(Features::AVX512F);
+        const AVX512: Features = AVX2.union(Features::AVX512F).union(Features::AVX512BW);
         const AVX512_VNNI: Features = AVX512.union(Features::AVX512_VNNI);
         const AVX512_BF16: Features = AVX512_VNNI.union(Features::AVX512_BF16);
         match self {
@@ -334,6 +337,8 @@ mod tests {
                 Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => assert!(has(t, Tier::Avx512), "{t:?}"),
             }
         }
+        // Every AVX-512 tier multiplies bytes and words (AVX-512BW).
+        assert!(Tier::Avx512.requires().contains(Features::AVX512F | Features::AVX512BW));
         // AVX-VNNI is not part of AVX-512, nor the other way round.
         assert!(!Tier::Avx512.requires().contains(Features::AVX_VNNI));
         assert!(!Tier::AvxVnni.requires().contains(Features::AVX512F));
@@ -362,7 +367,11 @@ mod tests {
             (emerald_no_amx, Tier::Avx512Bf16),
             (sapphire_rapids, Tier::Amx),
             // AVX-512 without F16C is not an AVX-512 tier (they build on AVX2).
-            (Features::AVX512F | Features::AVX2 | Features::FMA, Tier::Scalar),
+            (Features::AVX512F | Features::AVX512BW | Features::AVX2 | Features::FMA, Tier::Scalar),
+            // Knights Landing: AVX-512F without BW (byte and word products),
+            // which every AVX-512 tier needs.
+            (avx2 | Features::AVX512F, Tier::Avx2),
+            (avx2 | Features::AVX512F | Features::AVX512_VNNI | Features::AVX512_BF16, Tier::Avx2),
         ] {
             assert_eq!(Tier::best_for(features), tier, "{features:?}");
         }

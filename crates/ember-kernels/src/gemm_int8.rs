@@ -19,18 +19,29 @@
 //! |---|---|---|---|
 //! | `Avx512Vnni` | `avx512vnni`, `avx512bf16`, `amx` | `vpdpbusd` zmm (64) | 32 × 6 |
 //! | `AvxVnni` | `avxvnni` | `vpdpbusd` ymm, VEX-encoded (32) | 16 × 3 |
-//! | `Maddubs` | `avx2`, `avx512` | `vpmaddubsw` then `vpmaddwd` ymm (32 per pair) | 16 × 2 |
+//! | `Avx512Maddubs` | `avx512` | `vpmaddubsw` then `vpmaddwd` zmm (64 per pair) | 32 × 6 |
+//! | `Maddubs` | `avx2` | `vpmaddubsw` then `vpmaddwd` ymm (32 per pair) | 16 × 2 |
 //!
 //! (`vpdpbusd` on zmm measured 4.3× the f32 FMA's multiply-adds on this
-//! project's Xeon; the 256-bit kernels have not been timed yet.)
+//! project's Xeon. `Maddubs`, measured end to end on it with `ember bench
+//! -p 128` at 2 threads, beat the exact path on `avx2`, INT8 176 tok/s
+//! against 164 and INT4 207 against 168, but not on `avx512`, whose f32
+//! kernel is twice as wide: INT8 161 against 247, INT4 202 against 222. So
+//! `avx512` has its own 512-bit kernel, with 32-row panels like VNNI's;
+//! `Avx512Maddubs` and `AvxVnni` have not been timed yet.)
+//!
 //! `vpmaddubsw` adds each pair of u8 · i8 products into an i16 that
 //! saturates: INT4's codes are safe (2 · 15 · 127 < 2¹⁵), INT8's (u up to 255)
-//! are not. So the `Maddubs` panel holds INT8 codes signed, `q = u − 128`
-//! (offset 0), and the kernel multiplies `|q|` by `x` with `q`'s sign moved
-//! onto it (`vpsignb`): `|q| ≤ 128` and `|x| ≤ 127` keep each pair within
-//! ±32 512. The integer sums are exact in every kernel, and each is scaled
-//! and added to its row's f32 in block order, so the kernels agree bit for
-//! bit (a test checks it).
+//! are not. So the `vpmaddubsw` panels hold INT8 codes signed, `q = u − 128`
+//! (offset 0), and the kernels multiply `|q|` by `x` with `q`'s sign moved
+//! onto it: `|q| ≤ 128` and `|x| ≤ 127` keep each pair within ±32 512. On
+//! ymm `vpsignb` moves it; zmm has no `vpsignb`, so the 512-bit kernel takes
+//! `q`'s sign bits as a mask (`vpmovb2m`) and negates `x` under it (a masked
+//! subtract from zero, which LLVM makes a negation and two blends). Unlike
+//! `vpsignb`, that keeps `x` where `q = 0`, where `|q| = 0` makes the
+//! product 0 all the same. The integer sums are exact in every kernel, and
+//! each is scaled and added to its row's f32 in block order, so the kernels
+//! agree bit for bit (a test checks it).
 //!
 //! **Layout.** Like [`crate::gemm_bf16`]: each thread packs a panel of weight
 //! rows (two registers of i32 lanes: 32 rows for zmm, 16 for ymm), per block
@@ -59,6 +70,8 @@ const ZMM_ROWS: usize = 32;
 enum Kernel {
     /// `vpmaddubsw` + `vpmaddwd` on 8-lane registers (AVX2).
     Maddubs,
+    /// `vpmaddubsw` + `vpmaddwd` on 16-lane registers (AVX-512BW).
+    Avx512Maddubs,
     /// `vpdpbusd` on 8-lane registers (AVX-VNNI).
     AvxVnni,
     /// `vpdpbusd` on 16-lane registers (AVX512-VNNI).
@@ -66,12 +79,14 @@ enum Kernel {
 }
 
 impl Kernel {
-    /// The kernel of a tier, by name: the VNNI one it has, else AVX2's.
+    /// The kernel of a tier, by name: the VNNI one it has, else its widest
+    /// `vpmaddubsw`.
     fn of(tier: Tier) -> Option<Kernel> {
         let x86 = |k| cfg!(target_arch = "x86_64").then_some(k);
         match tier {
             Tier::Scalar => None,
-            Tier::Avx2 | Tier::Avx512 => x86(Kernel::Maddubs),
+            Tier::Avx2 => x86(Kernel::Maddubs),
+            Tier::Avx512 => x86(Kernel::Avx512Maddubs),
             Tier::AvxVnni => x86(Kernel::AvxVnni),
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => x86(Kernel::Avx512Vnni),
         }
@@ -81,7 +96,7 @@ impl Kernel {
     fn rows(self) -> usize {
         match self {
             Kernel::Maddubs | Kernel::AvxVnni => YMM_ROWS,
-            Kernel::Avx512Vnni => ZMM_ROWS,
+            Kernel::Avx512Maddubs | Kernel::Avx512Vnni => ZMM_ROWS,
         }
     }
 
@@ -100,6 +115,13 @@ impl Kernel {
             Kernel::Maddubs => 2,
             // 16 ymm: 4N accumulators, 2 weights, the broadcast: N = 3 (15).
             Kernel::AvxVnni => 3,
+            // 32 zmm: 4N accumulators; the group's 2 absolute values (its
+            // signs go to mask registers); the broadcast, its negation and
+            // one signed copy at a time; `vpmaddwd`'s ones and the zero:
+            // N = 6 (31 registers; at 6 tokens the release build spills
+            // none). As many tokens as VNNI's: each group's absolute values
+            // and sign masks, 4 instructions, serve 6 tokens.
+            Kernel::Avx512Maddubs => 6,
             // 32 zmm: 4N accumulators, 2 weights, the broadcast: N = 6 (27).
             Kernel::Avx512Vnni => 6,
         }
@@ -110,7 +132,7 @@ impl Kernel {
     /// activations up to 127 would overflow `vpmaddubsw`'s i16 pair sums.
     fn signed(self, offset: i32) -> bool {
         match self {
-            Kernel::Maddubs => 2 * (2 * offset - 1) * 127 > i16::MAX as i32,
+            Kernel::Maddubs | Kernel::Avx512Maddubs => 2 * (2 * offset - 1) * 127 > i16::MAX as i32,
             Kernel::AvxVnni | Kernel::Avx512Vnni => false,
         }
     }
@@ -228,7 +250,10 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
                             avx2::maddubs(n, coding.signed, p, blocks, xs, coding.offset, y, stride, valid)
                         }
                         Kernel::AvxVnni => avx2::vnni(n, p, blocks, xs, coding.offset, y, stride, valid),
-                        Kernel::Avx512Vnni => avx512::tile(n, p, blocks, xs, coding.offset, y, stride, valid),
+                        Kernel::Avx512Maddubs => {
+                            avx512::maddubs(n, coding.signed, p, blocks, xs, coding.offset, y, stride, valid)
+                        }
+                        Kernel::Avx512Vnni => avx512::vnni(n, p, blocks, xs, coding.offset, y, stride, valid),
                     }
                 };
                 #[cfg(not(target_arch = "x86_64"))]
@@ -252,10 +277,28 @@ pub fn matmul_reference<F: Format<Act = BlockA8>>(w: &[F::Block], x: &Acts, y: &
     }
 }
 
+/// The `vpmaddubsw` kernels' count of groups per block, hidden from the
+/// optimizer so that their group loop stays a loop. Knowing it is 8, LLVM
+/// unrolls the groups of a block and then computes it token by token: every
+/// group's weights and absolute values are made for the first token and kept
+/// for the next on the stack. In the release build's assembly that was, per
+/// block of the AVX2 kernel at 2 tokens, 36 ymm stores and 36 reloads beside
+/// 32 `vpmaddubsw` (INT8; INT4, with no absolute values, 21 of each), and 20
+/// of each in the 512-bit kernel at 2 tokens (INT8; none at 3, and from 4 on
+/// LLVM kept the loop itself). Rolled, one group's weights are live at a
+/// time and no vector register spills in either kernel, for a few scalar
+/// instructions per group. (The VNNI kernels stay unrolled: the 512-bit one
+/// spills nothing in this build, the 256-bit one two registers per block at
+/// 3 tokens.)
+#[cfg(target_arch = "x86_64")]
+fn rolled(groups: usize) -> usize {
+    std::hint::black_box(groups)
+}
+
 /// The 256-bit kernels: 16-row panels, two 8-lane registers per slot.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BlockA8, SLOTS, YMM_ROWS};
+    use super::{rolled, BlockA8, SLOTS, YMM_ROWS};
     use std::arch::x86_64::*;
 
     /// The `vpmaddubsw` micro-kernel for `n ≤ 2` tokens: `y[j][0..valid] =
@@ -300,18 +343,14 @@ mod avx2 {
         y_stride: usize,
         valid: usize,
     ) {
-        // (With signed codes, LLVM sums each token's 8 groups as a tree and
-        // so keeps a block's weights and their absolute values on the stack
-        // rather than in registers, as the release build's assembly shows:
-        // about 40 stores to L1 per block beside some 110 multiply uops on
-        // the same two ports. Not yet timed.)
+        let groups = rolled(SLOTS - 1);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..blocks {
             let p = panel.add(b * SLOTS * YMM_ROWS);
             let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
             let mut dot = start(&xb, offset);
-            for g in 0..SLOTS - 1 {
+            for g in 0..groups {
                 let w0 = _mm256_load_si256(p.add(YMM_ROWS * g) as *const _);
                 let w1 = _mm256_load_si256(p.add(YMM_ROWS * g + 8) as *const _);
                 // The unsigned operand: the codes, or |q| (|−128| is 128 as
@@ -435,22 +474,99 @@ mod avx2 {
     }
 }
 
-/// The 512-bit kernel: 32-row panels, two 16-lane registers per slot.
+/// The 512-bit kernels: 32-row panels, two 16-lane registers per slot.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BlockA8, SLOTS, ZMM_ROWS};
+    use super::{rolled, BlockA8, SLOTS, ZMM_ROWS};
     use crate::gemm_bf16::mask;
     use std::arch::x86_64::*;
 
-    /// The micro-kernel for `n ≤ 6` tokens: `y[j][0..valid] = panel · x[j]`.
+    /// The `vpmaddubsw` micro-kernel for `n ≤ 6` tokens: `y[j][0..valid] =
+    /// panel · x[j]`. With `signed`, the panel holds `u − offset` as i8
+    /// (and `offset` is 0).
     ///
     /// # Safety
-    /// AVX-512F and AVX512-VNNI; `panel` holds `blocks` packed blocks, `x` `n`
+    /// AVX-512F and AVX-512BW; `panel` holds `blocks` packed blocks, `x` `n`
     /// tokens of `blocks` blocks, `y` rows `j · y_stride` up to lane
     /// `valid ≤ 32`.
     #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn maddubs(
+        n: usize,
+        signed: bool,
+        panel: *const u32,
+        blocks: usize,
+        x: &[BlockA8],
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+    ) {
+        let masks = store_masks(valid);
+        macro_rules! by_n {
+            ($($n:literal)*) => {
+                match (n, signed) {
+                    $(($n, false) => maddubs_n::<$n, false>(panel, blocks, x.as_ptr(), offset, y, y_stride, masks),)*
+                    $(($n, true) => maddubs_n::<$n, true>(panel, blocks, x.as_ptr(), offset, y, y_stride, masks),)*
+                    _ => unreachable!("1..=6 tokens"),
+                }
+            };
+        }
+        debug_assert!(x.len() >= n * blocks && valid <= ZMM_ROWS);
+        by_n!(1 2 3 4 5 6)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn maddubs_n<const N: usize, const SIGNED: bool>(
+        panel: *const u32,
+        blocks: usize,
+        x: *const BlockA8,
+        offset: i32,
+        y: *mut f32,
+        y_stride: usize,
+        masks: [u16; 2],
+    ) {
+        let groups = rolled(SLOTS - 1);
+        let (ones, zero) = (_mm512_set1_epi16(1), _mm512_setzero_si512());
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for b in 0..blocks {
+            let p = panel.add(b * SLOTS * ZMM_ROWS);
+            let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
+            let mut dot = start(&xb, offset);
+            for g in 0..groups {
+                let w0 = _mm512_load_si512(p.add(ZMM_ROWS * g) as *const _);
+                let w1 = _mm512_load_si512(p.add(ZMM_ROWS * g + 16) as *const _);
+                // The unsigned operand: the codes, or |q| (|−128| is 128 as
+                // a u8); and where q < 0, as a mask (zmm has no `vpsignb`).
+                let (a0, a1) = if SIGNED { (_mm512_abs_epi8(w0), _mm512_abs_epi8(w1)) } else { (w0, w1) };
+                let (s0, s1) = if SIGNED { (_mm512_movepi8_mask(w0), _mm512_movepi8_mask(w1)) } else { (0, 0) };
+                for (j, d) in dot.iter_mut().enumerate() {
+                    let q = _mm512_set1_epi32((xb[j].qs.as_ptr().add(4 * g) as *const i32).read_unaligned());
+                    // Signed codes' signs move onto the activations: `vpsignb`
+                    // but for q = 0, where |q| makes the product 0 anyway.
+                    let (q0, q1) = if SIGNED {
+                        (_mm512_mask_sub_epi8(q, s0, zero, q), _mm512_mask_sub_epi8(q, s1, zero, q))
+                    } else {
+                        (q, q)
+                    };
+                    d[0] = _mm512_add_epi32(d[0], _mm512_madd_epi16(_mm512_maddubs_epi16(a0, q0), ones));
+                    d[1] = _mm512_add_epi32(d[1], _mm512_madd_epi16(_mm512_maddubs_epi16(a1, q1), ones));
+                }
+            }
+            scale(&mut acc, &dot, p.add(ZMM_ROWS * (SLOTS - 1)), &xb);
+        }
+        store(&acc, y, y_stride, masks);
+    }
+
+    /// The VNNI micro-kernel for `n ≤ 6` tokens: `y[j][0..valid] = panel ·
+    /// x[j]`.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX512-VNNI; otherwise as [`maddubs`].
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512vnni")]
-    pub unsafe fn tile(
+    pub unsafe fn vnni(
         n: usize,
         panel: *const u32,
         blocks: usize,
@@ -460,11 +576,11 @@ mod avx512 {
         y_stride: usize,
         valid: usize,
     ) {
-        let masks = [mask(valid.min(16)), mask(valid.saturating_sub(16))];
+        let masks = store_masks(valid);
         macro_rules! by_n {
             ($($n:literal)*) => {
                 match n {
-                    $($n => tile_n::<$n>(panel, blocks, x.as_ptr(), offset, y, y_stride, masks),)*
+                    $($n => vnni_n::<$n>(panel, blocks, x.as_ptr(), offset, y, y_stride, masks),)*
                     _ => unreachable!("1..=6 tokens"),
                 }
             };
@@ -475,7 +591,7 @@ mod avx512 {
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512vnni")]
-    unsafe fn tile_n<const N: usize>(
+    unsafe fn vnni_n<const N: usize>(
         panel: *const u32,
         blocks: usize,
         x: *const BlockA8,
@@ -488,11 +604,7 @@ mod avx512 {
         for b in 0..blocks {
             let p = panel.add(b * SLOTS * ZMM_ROWS);
             let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
-            // Σ u·x − offset·Σx, in i32.
-            let mut dot: [[__m512i; 2]; N] = std::array::from_fn(|j| {
-                let c = _mm512_set1_epi32(-offset * xb[j].sum);
-                [c, c]
-            });
+            let mut dot = start(&xb, offset);
             for g in 0..SLOTS - 1 {
                 let w0 = _mm512_load_si512(p.add(ZMM_ROWS * g) as *const _);
                 let w1 = _mm512_load_si512(p.add(ZMM_ROWS * g + 16) as *const _);
@@ -502,14 +614,50 @@ mod avx512 {
                     d[1] = _mm512_dpbusd_epi32(d[1], w1, q);
                 }
             }
-            let s0 = _mm512_load_ps(p.add(ZMM_ROWS * (SLOTS - 1)) as *const f32);
-            let s1 = _mm512_load_ps(p.add(ZMM_ROWS * (SLOTS - 1) + 16) as *const f32);
-            for (j, a) in acc.iter_mut().enumerate() {
-                let dx = _mm512_set1_ps(xb[j].d);
-                a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][0]), _mm512_mul_ps(s0, dx), a[0]);
-                a[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][1]), _mm512_mul_ps(s1, dx), a[1]);
-            }
+            scale(&mut acc, &dot, p.add(ZMM_ROWS * (SLOTS - 1)), &xb);
         }
+        store(&acc, y, y_stride, masks);
+    }
+
+    /// The store masks of a panel's two registers, `valid ≤ 32` rows.
+    fn store_masks(valid: usize) -> [u16; 2] {
+        [mask(valid.min(16)), mask(valid.saturating_sub(16))]
+    }
+
+    /// Each token's integer accumulators for a block, started at
+    /// `−offset · Σx`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn start<const N: usize>(xb: &[&BlockA8; N], offset: i32) -> [[__m512i; 2]; N] {
+        std::array::from_fn(|j| {
+            let c = _mm512_set1_epi32(-offset * xb[j].sum);
+            [c, c]
+        })
+    }
+
+    /// `acc[j] += f32(dot[j]) · (d_w · d_x[j])`, the 32 rows' scales `d_w`
+    /// at `scales`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scale<const N: usize>(
+        acc: &mut [[__m512; 2]; N],
+        dot: &[[__m512i; 2]; N],
+        scales: *const u32,
+        xb: &[&BlockA8; N],
+    ) {
+        let s0 = _mm512_load_ps(scales as *const f32);
+        let s1 = _mm512_load_ps(scales.add(16) as *const f32);
+        for (j, a) in acc.iter_mut().enumerate() {
+            let dx = _mm512_set1_ps(xb[j].d);
+            a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][0]), _mm512_mul_ps(s0, dx), a[0]);
+            a[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][1]), _mm512_mul_ps(s1, dx), a[1]);
+        }
+    }
+
+    /// Token `j`'s 32 sums to `y + j · y_stride`, the lanes of `masks`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const N: usize>(acc: &[[__m512; 2]; N], y: *mut f32, y_stride: usize, masks: [u16; 2]) {
         for (j, a) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(y.add(j * y_stride), masks[0], a[0]);
             // Past the output's end when `valid ≤ 16`, where the mask is 0.
@@ -566,8 +714,11 @@ mod tests {
                 assert!(k.rows() % 16 == 0 && 32 % k.rows() == 0);
             }
         }
-        // Only AVX2's kernel stores INT8's codes signed; INT4's never are.
-        assert!(Kernel::Maddubs.signed(128) && !Kernel::Maddubs.signed(8));
+        // Only the `vpmaddubsw` kernels store INT8's codes signed; INT4's
+        // never are.
+        for k in [Kernel::Maddubs, Kernel::Avx512Maddubs] {
+            assert!(k.signed(128) && !k.signed(8), "{k:?}");
+        }
         assert!(!Kernel::AvxVnni.signed(128) && !Kernel::Avx512Vnni.signed(128));
     }
 
@@ -608,11 +759,20 @@ mod tests {
     /// nibbles 0 and 15) against activations of ±127, with scales of 1 so
     /// that every sum is an integer f32 holds exactly: the kernels equal the
     /// reference bit for bit, so no 16-bit pair sum of `vpmaddubsw` saturated
-    /// (−128 · −127 twice is 32 512, just inside).
+    /// (−128 · −127 twice is 32 512, just inside), and zero codes (which
+    /// `vpsignb` and the 512-bit kernel's masked negation treat differently)
+    /// add nothing. 35 rows and 7 tokens: a full and a ragged panel of
+    /// either height, a full call and a single token of every kernel.
     #[test]
     fn extreme_codes_sum_exactly() {
-        let (rows, blocks, t) = (19, 3, 5);
-        let q8 = [[-128i8; 32], [127; 32], [-127; 32], std::array::from_fn(|j| if j % 2 == 0 { -128 } else { 127 })];
+        let (rows, blocks, t) = (35, 3, 7);
+        let q8 = [
+            [-128i8; 32],
+            [127; 32],
+            [-127; 32],
+            std::array::from_fn(|j| if j % 2 == 0 { -128 } else { 127 }),
+            std::array::from_fn(|j| [0, -128, 0, 127, -1, 0, 1, 0][j % 8]),
+        ];
         let q4 = [[0x00u8; 16], [0xff; 16], [0x0f; 16], [0xf0; 16]];
         let a8 = [[127i8; 32], [-127; 32], std::array::from_fn(|j| if j % 3 == 0 { -127 } else { 127 })];
         // Rows 0..4 and tokens 0..3 keep one pattern in every block, the
@@ -620,11 +780,11 @@ mod tests {
         let split = |i: usize| (i / blocks, i % blocks);
         let w8: Vec<BlockQ8> = (0..rows * blocks)
             .map(split)
-            .map(|(r, b)| BlockQ8 { d: f16::ONE, qs: q8[(r + b * (r / 4)) % 4] })
+            .map(|(r, b)| BlockQ8 { d: f16::ONE, qs: q8[(r + b * (r / 4)) % q8.len()] })
             .collect();
         let w4: Vec<BlockQ4> = (0..rows * blocks)
             .map(split)
-            .map(|(r, b)| BlockQ4 { d: f16::ONE, qs: q4[(r + b * (r / 4)) % 4] })
+            .map(|(r, b)| BlockQ4 { d: f16::ONE, qs: q4[(r + b * (r / 4)) % q4.len()] })
             .collect();
         let xs: Vec<BlockA8> = (0..t * blocks)
             .map(split)
