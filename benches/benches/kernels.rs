@@ -41,6 +41,24 @@ fn bench_matvec(c: &mut Criterion) {
 /// Tokens per prefill product: the default prompt chunk.
 const PREFILL_TOKENS: usize = 512;
 
+/// One product on one thread for every tier above scalar the CPU has, at
+/// both precisions.
+fn bench_every_tier(
+    group: &mut criterion::BenchmarkGroup<criterion::measurement::WallTime>,
+    name: &str,
+    m: MatRef,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
+        for p in Precision::ALL {
+            group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
+                b.iter(|| matmul_with(isa, p, m, x, y))
+            });
+        }
+    }
+}
+
 fn bench_matmul(c: &mut Criterion) {
     // The four products of a layer (q/o share a shape; gate/up too).
     for (rows, cols) in [(896, 896), (128, 896), (4864, 896), (896, 4864)] {
@@ -52,14 +70,7 @@ fn bench_matmul(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("matmul {PREFILL_TOKENS}x{cols} @ {rows}x{cols}T"));
         group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
         for (name, weights) in [("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
-            let m = MatRef::new(weights, rows, cols);
-            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
-                for p in Precision::ALL {
-                    group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
-                        b.iter(|| matmul_with(isa, p, m, &x, &mut y))
-                    });
-                }
-            }
+            bench_every_tier(&mut group, name, MatRef::new(weights, rows, cols), &x, &mut y);
         }
         group.finish();
     }
@@ -81,14 +92,7 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("matmul {PREFILL_TOKENS}x{cols} @ {rows}x{cols}T quantized"));
         group.throughput(Throughput::Elements((rows * cols * PREFILL_TOKENS) as u64));
         for (name, weights) in [("int8", Weights::Int8(&q8)), ("int4", Weights::Int4(&q4))] {
-            let m = MatRef::new(weights, rows, cols);
-            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
-                for p in Precision::ALL {
-                    group.bench_function(format!("{name} {} {} 1 thread", isa.name(), p.name()), |b| {
-                        b.iter(|| matmul_with(isa, p, m, &x, &mut y))
-                    });
-                }
-            }
+            bench_every_tier(&mut group, name, MatRef::new(weights, rows, cols), &x, &mut y);
         }
         group.finish();
 

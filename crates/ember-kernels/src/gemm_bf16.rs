@@ -402,7 +402,7 @@ pub fn matmul_f32_reference(w: &[bf16], cols: usize, x: &[f32], y: &mut [f32]) {
 }
 
 /// The store masks of a panel's two lines when `valid` rows are real.
-fn row_masks(valid: usize) -> [u16; 2] {
+pub(crate) fn row_masks(valid: usize) -> [u16; 2] {
     [mask(valid.min(16)), mask(valid.saturating_sub(16))]
 }
 

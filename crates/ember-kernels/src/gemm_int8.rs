@@ -478,7 +478,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{rolled, BlockA8, SLOTS, ZMM_ROWS};
-    use crate::gemm_bf16::mask;
+    use crate::gemm_bf16::row_masks;
     use std::arch::x86_64::*;
 
     /// The `vpmaddubsw` micro-kernel for `n ≤ 6` tokens: `y[j][0..valid] =
@@ -502,7 +502,7 @@ mod avx512 {
         y_stride: usize,
         valid: usize,
     ) {
-        let masks = store_masks(valid);
+        let masks = row_masks(valid);
         macro_rules! by_n {
             ($($n:literal)*) => {
                 match (n, signed) {
@@ -576,7 +576,7 @@ mod avx512 {
         y_stride: usize,
         valid: usize,
     ) {
-        let masks = store_masks(valid);
+        let masks = row_masks(valid);
         macro_rules! by_n {
             ($($n:literal)*) => {
                 match n {
@@ -617,11 +617,6 @@ mod avx512 {
             scale(&mut acc, &dot, p.add(ZMM_ROWS * (SLOTS - 1)), &xb);
         }
         store(&acc, y, y_stride, masks);
-    }
-
-    /// The store masks of a panel's two registers, `valid ≤ 32` rows.
-    fn store_masks(valid: usize) -> [u16; 2] {
-        [mask(valid.min(16)), mask(valid.saturating_sub(16))]
     }
 
     /// Each token's integer accumulators for a block, started at

@@ -212,18 +212,24 @@ fn few_tokens_rows(
                     unsafe { out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] = v };
                 }
             };
+            // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2
+            // and 3 (n odd), i = n / 2; then the ragged rest two by two.
             let q = rows.len() / 4;
-            let streams = [0, q, 2 * q, 3 * q].map(|s| rows.start + s);
-            let mut pairs = Vec::with_capacity(2 * q + 2);
-            for i in 0..q {
-                pairs.extend([[streams[0] + i, streams[1] + i], [streams[2] + i, streams[3] + i]]);
-            }
-            let rest: Vec<usize> = (rows.start + 4 * q..rows.end).collect();
-            pairs.extend(rest.chunks(2).map(|c| [c[0], *c.last().unwrap()]));
-            for (n, &[r0, r1]) in pairs.iter().enumerate() {
+            let rest = rows.start + 4 * q;
+            let pair = |n: usize| -> Option<[usize; 2]> {
+                if n < 2 * q {
+                    let first = rows.start + 2 * (n % 2) * q + n / 2;
+                    Some([first, first + q])
+                } else {
+                    let r = rest + 2 * (n - 2 * q);
+                    (r < rows.end).then(|| [r, (r + 1).min(rows.end - 1)])
+                }
+            };
+            let mut n = 0;
+            while let Some([r0, r1]) = pair(n) {
                 // The rows two pairs on in each stream, to be read from
                 // memory while these are multiplied.
-                let ahead = pairs.get(n + 4).unwrap_or(&[r0, r1]).map(|r| row(r).as_ptr());
+                let ahead = pair(n + 4).unwrap_or([r0, r1]).map(|r| row(r).as_ptr());
                 // SAFETY: AVX-512F is present (`isa` is the proof); both rows
                 // hold `cols` values, `xp` `t` tokens.
                 let y = unsafe { avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead) };
@@ -231,6 +237,7 @@ fn few_tokens_rows(
                 if r1 != r0 {
                     write(r1, &y[1]);
                 }
+                n += 1;
             }
             FEW_X.with(|b| *b.borrow_mut() = xp);
             true
