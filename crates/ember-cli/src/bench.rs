@@ -77,6 +77,10 @@ struct Row {
     /// For tgN: the machine's read bandwidth over the same weights, same run.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     read_gb_s: Option<f64>,
+    /// For tgN: `gb_s` as a percentage of `read_gb_s`, the median over
+    /// repetitions of each generation against the read right after it.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    read_pct: Option<f64>,
     /// For ppN: time to first token for an N-token prompt (median), in ms.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     ttft_ms: Option<f64>,
@@ -129,14 +133,23 @@ pub fn run(args: Args) -> Result<()> {
         rows.push(r);
     }
     for &n in args.generate.iter().filter(|&&n| n > 0) {
-        let rates = measure(args.repetitions, || bench::generation(&model, n).map(|d| n as f64 / d.as_secs_f64()))?;
-        let reads = measure(args.repetitions, || {
+        // Each repetition's generation is followed at once by a read of the
+        // same weights, and the share of the ceiling is the median of those
+        // pairs: on a shared machine the bandwidth drifts within a run, and a
+        // pair sees the same conditions.
+        let (mut rates, mut reads, mut shares) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..args.repetitions {
+            let rate = n as f64 / bench::generation(&model, n)?.as_secs_f64();
             let (bytes, d) = bench::weight_read(&model);
-            Ok(bytes as f64 / d.as_secs_f64() / 1e9)
-        })?;
+            let read = bytes as f64 / d.as_secs_f64() / 1e9;
+            shares.push(100.0 * rate * bytes_per_token as f64 / 1e9 / read);
+            rates.push(rate);
+            reads.push(read);
+        }
         let mut r = row(format!("tg{n}"), threads, &rates);
         r.gb_s = Some(r.tok_s * bytes_per_token as f64 / 1e9);
         r.read_gb_s = Some(median(&reads));
+        r.read_pct = Some(median(&shares));
         rows.push(r);
     }
     for &s in &args.sequences {
@@ -205,6 +218,7 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         sd: var.sqrt(),
         gb_s: None,
         read_gb_s: None,
+        read_pct: None,
         ttft_ms: None,
     }
 }
@@ -240,8 +254,8 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
     for r in rows {
         let seqs = r.sequences.map_or(String::new(), |s| s.to_string());
         let ttft = r.ttft_ms.map_or(String::new(), |t| format!("{t:.0}"));
-        let gb = match (r.gb_s, r.read_gb_s) {
-            (Some(g), Some(c)) if c > 0.0 => format!("{g:.1} ({:.0}% of read)", 100.0 * g / c),
+        let gb = match (r.gb_s, r.read_pct) {
+            (Some(g), Some(p)) => format!("{g:.1} ({p:.0}% of read)"),
             (Some(g), _) => format!("{g:.1}"),
             _ => String::new(),
         };

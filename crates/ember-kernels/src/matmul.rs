@@ -25,7 +25,7 @@ use crate::cpu::{Isa, Tier};
 use crate::dot::dot_f32_scalar;
 use crate::formats::with_weights;
 use crate::formats::{MatRef, Weights};
-use crate::pool::{self, SharedMut, ThreadPool};
+use crate::pool::{Chunks, SharedMut, ThreadPool};
 use crate::{gemm_bf16, gemm_int8};
 use std::cell::RefCell;
 
@@ -39,6 +39,10 @@ const NR: usize = 3;
 /// Threads' shares of rows start at multiples of this: whole AMX row-tile
 /// pairs (32), which are also whole f32 panels (8).
 const ALIGN: usize = 32;
+
+/// The shortest chunk of rows a thread takes from a product ([`Chunks`]):
+/// threads take chunks that shrink as rows run out, so they finish together.
+const MIN_CHUNK: usize = 64;
 
 /// The micro-kernel's (rows, tokens) for a tier: 4 × 3 for AVX2 (12 of 16
 /// registers accumulate), 8 × 3 for AVX-512 (24 of 32). Taller rather than
@@ -470,15 +474,17 @@ pub fn matmuls<const N: usize>(pool: &ThreadPool, precision: Precision, x: &[f32
     let jobs = jobs.map(|(w, y)| (w, Out::new(y, w.rows)));
     let weights: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
     with_prepared(Some(pool), isa, precision, x, cols, &weights, |prepared| {
-        pool.run(|th, n| {
-            let (a, b) = pool::share(total, th, n, ALIGN);
-            let mut offset = 0;
-            for (w, out) in &jobs {
-                let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
-                if lo < hi {
-                    product_rows(isa, precision, *w, lo - offset..hi - offset, x, prepared, out);
+        let chunks = Chunks::new(total, pool.threads(), ALIGN, MIN_CHUNK);
+        pool.run(|_, _| {
+            while let Some(r) = chunks.next_chunk() {
+                let mut offset = 0;
+                for (w, out) in &jobs {
+                    let (lo, hi) = (r.start.max(offset), r.end.min(offset + w.rows));
+                    if lo < hi {
+                        product_rows(isa, precision, *w, lo - offset..hi - offset, x, prepared, out);
+                    }
+                    offset += w.rows;
                 }
-                offset += w.rows;
             }
         })
     });
@@ -522,18 +528,18 @@ pub fn matmul_swiglu(
     let isa = Isa::active();
     let (g, u) = (Out::new(out, rows), Out::new(up_scratch, rows));
     with_prepared(Some(pool), isa, precision, x, cols, &[gate, up], |prepared| {
-        pool.run(|th, n| {
-            let (a, b) = pool::share(rows, th, n, ALIGN);
-            if a == b {
-                return;
-            }
-            product_rows(isa, precision, gate, a..b, x, prepared, &g);
-            product_rows(isa, precision, up, a..b, x, prepared, &u);
-            for i in 0..t {
-                // SAFETY: this thread owns columns a..b of every row.
-                let (gs, us) =
-                    unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
-                crate::ops::silu_mul(gs, us);
+        let chunks = Chunks::new(rows, pool.threads(), ALIGN, MIN_CHUNK);
+        pool.run(|_, _| {
+            while let Some(r) = chunks.next_chunk() {
+                let (a, b) = (r.start, r.end);
+                product_rows(isa, precision, gate, a..b, x, prepared, &g);
+                product_rows(isa, precision, up, a..b, x, prepared, &u);
+                for i in 0..t {
+                    // SAFETY: this thread owns columns a..b of every row (its chunk).
+                    let (gs, us) =
+                        unsafe { (g.data.range(i * rows + a, i * rows + b), u.data.range(i * rows + a, i * rows + b)) };
+                    crate::ops::silu_mul(gs, us);
+                }
             }
         })
     });

@@ -8,7 +8,7 @@
 use crate::cpu::Isa;
 use crate::formats::{quantize_activations, with_weights, ActType, Activation, Acts, BlockA8, Format, MatRef, QK_A8};
 use crate::ops::silu_mul;
-use crate::pool::{self, SharedMut, ThreadPool};
+use crate::pool::{self, Chunks, SharedMut, ThreadPool};
 use std::cell::RefCell;
 
 thread_local! {
@@ -78,9 +78,13 @@ fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], y:
 /// costs more than it saves.
 const PARALLEL_MIN_WEIGHTS: usize = 1 << 15;
 
-/// Rows of a thread's share start on a multiple of this (cache-line friendly
-/// output writes).
+/// Chunks of rows start on a multiple of this (cache-line friendly output
+/// writes).
 const ROW_ALIGN: usize = 16;
+
+/// The shortest chunk of rows a thread takes ([`Chunks`]): long enough for
+/// the four memory streams of [`rows_of`] to get going.
+const MIN_CHUNK: usize = 64;
 
 fn threads_for(pool: &ThreadPool, weights: usize) -> usize {
     if weights < PARALLEL_MIN_WEIGHTS {
@@ -115,21 +119,24 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
     let jobs = jobs.map(|(w, y)| (w, SharedMut::new(y)));
     // An array, not a Vec: this runs for every mat-vec of every token.
     let all: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
+    let threads = threads_for(pool, weights);
+    let chunks = Chunks::new(total, threads, ROW_ALIGN, MIN_CHUNK);
     with_acts(isa, x, &all, |acts| {
-        let work = |t: usize, n: usize| {
-            let (a, b) = pool::share(total, t, n, ROW_ALIGN);
-            let mut offset = 0;
-            for (w, y) in &jobs {
-                let (lo, hi) = (a.max(offset), b.min(offset + w.rows));
-                if lo < hi {
-                    // SAFETY: thread shares of the row list are disjoint.
-                    let out = unsafe { y.range(lo - offset, hi - offset) };
-                    matvec_rows(isa, w.rows(lo - offset, hi - offset), acts, out);
+        let work = |_t: usize, _n: usize| {
+            while let Some(r) = chunks.next_chunk() {
+                let mut offset = 0;
+                for (w, y) in &jobs {
+                    let (lo, hi) = (r.start.max(offset), r.end.min(offset + w.rows));
+                    if lo < hi {
+                        // SAFETY: chunks of the row list are disjoint.
+                        let out = unsafe { y.range(lo - offset, hi - offset) };
+                        matvec_rows(isa, w.rows(lo - offset, hi - offset), acts, out);
+                    }
+                    offset += w.rows;
                 }
-                offset += w.rows;
             }
         };
-        match threads_for(pool, weights) {
+        match threads {
             1 => work(0, 1),
             _ => pool.run(work),
         }
@@ -146,27 +153,28 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
     let isa = Isa::active();
     let rows = gate.rows;
     let out = SharedMut::new(out);
+    let threads = threads_for(pool, 2 * rows * gate.cols);
+    let chunks = Chunks::new(rows, threads, ROW_ALIGN, MIN_CHUNK);
     with_acts(isa, x, &[gate, up], |acts| {
-        let work = |t: usize, n: usize| {
-            let (a, b) = pool::share(rows, t, n, ROW_ALIGN);
-            if a == b {
-                return;
-            }
-            // SAFETY: thread shares are disjoint.
-            let o = unsafe { out.range(a, b) };
-            // Blocks of rows from each matrix in turn: both weight streams run
-            // through the fast multi-row kernel (a row of gate, then a row of
-            // up, took a third longer: it defeats the prefetching).
-            let mut u = [0.0f32; SWIGLU_BLOCK];
-            for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
-                let end = start + o.len();
-                let u = &mut u[..o.len()];
-                matvec_rows(isa, gate.rows(start, end), acts, o);
-                matvec_rows(isa, up.rows(start, end), acts, u);
-                silu_mul(o, u);
+        let work = |_t: usize, _n: usize| {
+            while let Some(r) = chunks.next_chunk() {
+                let (a, b) = (r.start, r.end);
+                // SAFETY: chunks are disjoint.
+                let o = unsafe { out.range(a, b) };
+                // Blocks of rows from each matrix in turn: both weight streams run
+                // through the fast multi-row kernel (a row of gate, then a row of
+                // up, took a third longer: it defeats the prefetching).
+                let mut u = [0.0f32; SWIGLU_BLOCK];
+                for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
+                    let end = start + o.len();
+                    let u = &mut u[..o.len()];
+                    matvec_rows(isa, gate.rows(start, end), acts, o);
+                    matvec_rows(isa, up.rows(start, end), acts, u);
+                    silu_mul(o, u);
+                }
             }
         };
-        match threads_for(pool, 2 * rows * gate.cols) {
+        match threads {
             1 => work(0, 1),
             _ => pool.run(work),
         }

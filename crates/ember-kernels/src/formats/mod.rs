@@ -28,6 +28,8 @@ mod int4;
 mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int_avx2;
+#[cfg(target_arch = "x86_64")]
+mod int_avx512;
 
 pub use act::{quantize_activations, quantize_activations_scalar, BlockA8, QK_A8};
 pub use float::{Bf16, F16, F32};

@@ -1,0 +1,252 @@
+//! AVX-512 decoding kernels of the INT4 and INT8 rows: two blocks per
+//! 512-bit register.
+//!
+//! The AVX2 kernels spend most of their instructions on per-block work that
+//! is not the dot product itself: widening one F16 scale, multiplying it by
+//! the activation block's, broadcasting it, converting the block's integer
+//! sum and adding it in (about 7 of 11 instructions for an INT4 block). At 18
+//! bytes per INT4 block that bounds a thread at ~8 GB/s even in L2, below the
+//! memory's share, so INT4 decoding was compute-bound (`cargo bench -p
+//! ember-benches -- "matvec .*/int4"`). Here each register holds two blocks
+//! of a row, and:
+//! - the products land in i32 lanes already offset: the accumulator starts
+//!   at `−offset · Σx` for each block (lane 0 of each half), so `vpdpbusd`
+//!   (or `vpmaddubsw` + `vpmaddwd` without VNNI) gives `Σ (u − offset)·x`
+//!   with no subtraction;
+//! - both blocks' F16 scales widen in one conversion, meet both activation
+//!   scales in one multiply and spread over their halves in one permute;
+//! - one conversion and one FMA per two blocks.
+//!
+//! Activation pairs (both blocks' bytes, starts and scales) are built once
+//! per step and shared by the four rows. An odd last block pairs with zero
+//! activations. Each function requires AVX-512F and BW (and VNNI for the
+//! `vnni` ones); an `Isa` of the matching tier is the proof.
+use super::act::BlockA8;
+use super::int4::BlockQ4;
+use super::int8::BlockQ8;
+use std::arch::x86_64::*;
+
+/// How far ahead each row is prefetched, in bytes (as the AVX2 kernels).
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Two activation blocks as one step's operands.
+struct Pair {
+    /// Both blocks' 32 bytes: block i in the low half, i + 1 in the high.
+    x: __m512i,
+    /// `−offset · Σx` in lane 0 of each half, zero elsewhere.
+    start: __m512i,
+    /// The two activation scales in lanes 0 and 1.
+    d: __m128,
+}
+
+/// The activation pair at block `i` (`i + 1` may be past the end: zeros).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pair(x: &[BlockA8], i: usize, offset: i32) -> Pair {
+    let a = x.get_unchecked(i);
+    let lo = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+    let (hi, s1, d1) = match x.get(i + 1) {
+        Some(b) => (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), b.sum, b.d),
+        None => (_mm256_setzero_si256(), 0, 0.0),
+    };
+    let start = _mm512_maskz_set1_epi32(1, -offset * a.sum);
+    let start = _mm512_mask_set1_epi32(start, 1 << 8, -offset * s1);
+    Pair { x: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), start, d: _mm_setr_ps(a.d, d1, 0.0, 0.0) }
+}
+
+/// `d0 · dx0` over lanes 0..8 and `d1 · dx1` over lanes 8..16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn scales(d0: half::f16, d1: half::f16, dx: __m128) -> __m512 {
+    let h = _mm_insert_epi16::<1>(_mm_cvtsi32_si128(d0.to_bits() as i32), d1.to_bits() as i32);
+    let s = _mm_mul_ps(_mm_cvtph_ps(h), dx);
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(s))
+}
+
+/// Four INT4 activation blocks as one step's operands: each 128-bit lane
+/// of a register holds one block's half, so the low nibbles of four weight
+/// blocks (weights 0..16 of each) meet `lo` and the high nibbles (16..32)
+/// meet `hi` with no reordering of the weights.
+struct Quad {
+    /// Bytes 0..16 of blocks i..i+4, one block per 128-bit lane.
+    lo: __m512i,
+    /// Bytes 16..32 of the same blocks.
+    hi: __m512i,
+    /// `−8 · Σx` in lane 0 of each 128-bit lane, zero elsewhere.
+    start: __m512i,
+    /// The four activation scales.
+    d: __m128,
+}
+
+/// The activation quad at block `i`; blocks past the end are zeros.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quad(x: &[BlockA8], i: usize) -> Quad {
+    let get = |j: usize| match x.get(i + j) {
+        Some(a) => (_mm256_loadu_si256(a.qs.as_ptr() as *const __m256i), a.sum, a.d),
+        None => (_mm256_setzero_si256(), 0, 0.0),
+    };
+    let (x0, s0, d0) = get(0);
+    let (x1, s1, d1) = get(1);
+    let (x2, s2, d2) = get(2);
+    let (x3, s3, d3) = get(3);
+    let a = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1);
+    let b = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x2), x3);
+    Quad {
+        // 128-bit lanes [a0, a2, b0, b2] and [a1, a3, b1, b3].
+        lo: _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
+        hi: _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b),
+        start: _mm512_setr_epi32(-8 * s0, 0, 0, 0, -8 * s1, 0, 0, 0, -8 * s2, 0, 0, 0, -8 * s3, 0, 0, 0),
+        d: _mm_setr_ps(d0, d1, d2, d3),
+    }
+}
+
+/// Four INT4 blocks' 16 packed bytes, one block per 128-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn qs4(b: [&BlockQ4; 4]) -> __m512i {
+    let load = |k: usize| _mm_loadu_si128(b[k].qs.as_ptr() as *const __m128i);
+    let z = _mm512_castsi128_si512(load(0));
+    let z = _mm512_inserti32x4::<1>(z, load(1));
+    let z = _mm512_inserti32x4::<2>(z, load(2));
+    _mm512_inserti32x4::<3>(z, load(3))
+}
+
+/// Four blocks' `d_w · d_x`, each over its 128-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn scales4(d: [half::f16; 4], dx: __m128) -> __m512 {
+    let h = _mm_cvtsi32_si128(d[0].to_bits() as i32);
+    let h = _mm_insert_epi16::<1>(h, d[1].to_bits() as i32);
+    let h = _mm_insert_epi16::<2>(h, d[2].to_bits() as i32);
+    let h = _mm_insert_epi16::<3>(h, d[3].to_bits() as i32);
+    let s = _mm_mul_ps(_mm_cvtph_ps(h), dx);
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(s))
+}
+
+/// Two INT8 blocks' bytes as unsigned codes `q + 128`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn codes8(b0: &BlockQ8, b1: &BlockQ8) -> __m512i {
+    let lo = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);
+    let hi = _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i);
+    _mm512_xor_si512(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), _mm512_set1_epi8(-128))
+}
+
+macro_rules! kernels {
+    ($module:ident, $features:literal, $doc:literal, |$acc:ident, $u:ident, $x:ident| $dot:expr) => {
+        #[doc = $doc]
+        pub mod $module {
+            use super::*;
+
+            /// `acc + Σ u·x` per i32 lane (four adjacent byte pairs), `u`
+            /// unsigned, `x` signed.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn dot($acc: __m512i, $u: __m512i, $x: __m512i) -> __m512i {
+                $dot
+            }
+
+            /// `R` INT4 rows against the same activations, four blocks per
+            /// step (see [`Quad`]).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn rows_q4<const R: usize>(w: [&[BlockQ4]; R], x: &[BlockA8]) -> [f32; R] {
+                let n = x.len();
+                let mut acc = [_mm512_setzero_ps(); R];
+                let nibble = _mm512_set1_epi8(15);
+                let mut i = 0;
+                while i < n {
+                    let q = quad(x, i);
+                    // Past the end, repeat the last block (its activations are zero).
+                    let b = [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)];
+                    for k in 0..R {
+                        let row = w[k];
+                        let blocks = b.map(|j| row.get_unchecked(j));
+                        if i % 4 == 0 {
+                            // One prefetch per 72 bytes: about one per cache line.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                (blocks[0] as *const BlockQ4 as *const i8).wrapping_add(PREFETCH_AHEAD),
+                            );
+                        }
+                        let bytes = qs4(blocks);
+                        let lo = _mm512_and_si512(bytes, nibble);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
+                        let s = dot(dot(q.start, lo, q.lo), hi, q.hi);
+                        acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scales4(blocks.map(|b| b.d), q.d), acc[k]);
+                    }
+                    i += 4;
+                }
+                acc.map(|v| _mm512_reduce_add_ps(v))
+            }
+
+            /// Four INT4 rows against the same activations.
+            #[target_feature(enable = $features)]
+            pub unsafe fn rows4_q4(w: [&[BlockQ4]; 4], x: &[BlockA8]) -> [f32; 4] {
+                rows_q4(w, x)
+            }
+
+            /// One INT4 row.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
+                rows_q4([w], x)[0]
+            }
+        }
+    };
+}
+
+kernels!(
+    vnni,
+    "avx512f,avx512bw,avx512vnni,f16c",
+    "With `vpdpbusd` (AVX512-VNNI): one instruction per two blocks.",
+    |acc, u, x| _mm512_dpbusd_epi32(acc, u, x)
+);
+
+kernels!(
+    bw,
+    "avx512f,avx512bw,f16c",
+    "With `vpmaddubsw` + `vpmaddwd` (AVX-512BW). INT4 only: INT8's unsigned \
+     codes (up to 255) would saturate `vpmaddubsw`'s i16 pair sums.",
+    |acc, u, x| _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)))
+);
+
+/// The INT8 kernels, with `vpdpbusd` (AVX512-VNNI) only: `vpmaddubsw`'s i16
+/// pair sums would saturate on INT8's unsigned codes (up to 255).
+pub mod vnni8 {
+    use super::*;
+
+    /// `R` INT8 rows against the same activations (codes made
+    /// unsigned, `q + 128`, so the offset is 128).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn rows_q8<const R: usize>(w: [&[BlockQ8]; R], x: &[BlockA8]) -> [f32; R] {
+        let n = x.len();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut i = 0;
+        while i < n {
+            let p = pair(x, i, 128);
+            let j = if i + 1 < n { i + 1 } else { i };
+            for k in 0..R {
+                let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
+                // One prefetch per 68 bytes: about one per cache line.
+                _mm_prefetch::<_MM_HINT_T0>((b0 as *const BlockQ8 as *const i8).wrapping_add(PREFETCH_AHEAD));
+                let s = _mm512_dpbusd_epi32(p.start, codes8(b0, b1), p.x);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scales(b0.d, b1.d, p.d), acc[k]);
+            }
+            i += 2;
+        }
+        acc.map(|v| _mm512_reduce_add_ps(v))
+    }
+
+    /// Four INT8 rows against the same activations.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn rows4_q8(w: [&[BlockQ8]; 4], x: &[BlockA8]) -> [f32; 4] {
+        rows_q8(w, x)
+    }
+
+    /// One INT8 row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn dot_q8(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
+        rows_q8([w], x)[0]
+    }
+}
