@@ -1,6 +1,6 @@
 //! Several sequences decoded together, as a server's scheduler would step
 //! them: each prompt is generated greedily alone (a `Session`), then all of
-//! them together through `ember_model::step`, and both id lists are printed,
+//! them together through `ember_model::advanced::step`, and both id lists are printed,
 //! one JSON line per prompt. `cargo xtask parity` compares them.
 //!
 //!     cargo run --release -p ember-model --example sequences -- MODEL_DIR MAX_TOKENS PROMPT_IDS_JSON...

@@ -330,3 +330,9 @@ pub fn default_model_dir() -> Option<std::path::PathBuf> {
     };
     Some(base.join("qwen2.5-coder-0.5b-instruct"))
 }
+
+// The README's library example compiles as written (the file is the
+// workspace README; it ships in the package as the crate's readme).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -1,6 +1,6 @@
 //! The batch-first forward pass with several sequences: tokens of different
 //! sequences in one batch give each sequence what it gets alone, and
-//! `ember_model::step` drives several generations with one forward pass per
+//! `ember_model::advanced::step` drives several generations with one forward pass per
 //! step.
 
 mod common;
