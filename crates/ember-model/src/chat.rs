@@ -288,6 +288,27 @@ fn json_or_json_string<'de, D: Deserializer<'de>>(d: D) -> Result<Value, D::Erro
     })
 }
 
+/// A reply that is only `{"name": string, "arguments": object}` (maybe in a
+/// Markdown code fence): a call written without its tags.
+fn bare_tool_call(reply: &str) -> Option<ToolCall> {
+    let mut body = reply.trim();
+    if let Some(fenced) = body.strip_prefix("```") {
+        let (_lang, rest) = fenced.split_once('\n')?;
+        body = rest.trim_end().strip_suffix("```")?.trim();
+    }
+    if !(body.starts_with('{') && body.ends_with('}')) {
+        return None;
+    }
+    let value: Value = serde_json::from_str(body).ok()?;
+    let object = value.as_object()?;
+    match (object.get("name"), object.get("arguments")) {
+        (Some(Value::String(name)), Some(arguments @ Value::Object(_))) if !name.is_empty() && object.len() == 2 => {
+            Some(ToolCall::new(name.clone(), arguments.clone()))
+        }
+        _ => None,
+    }
+}
+
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
@@ -299,6 +320,11 @@ const CLOSE: &str = "</tool_call>";
 /// A block that is not closed, is not valid JSON, or has no `name` string is
 /// an [`Error::ToolCall`] naming the block, so a caller can tell the model
 /// so or retry; a reply without blocks gives an empty list.
+///
+/// Small models sometimes drop the tags (Qwen2.5-Coder-0.5B answers a tool
+/// prompt with the bare JSON): a reply that is nothing but one
+/// `{"name": "...", "arguments": {...}}` object, optionally in a ```` ```json ````
+/// fence, is read as one call too. Anything else without tags is text.
 ///
 /// ```
 /// use ember_model::parse_tool_calls;
@@ -315,6 +341,11 @@ pub fn parse_tool_calls(reply: &str) -> Result<Vec<ToolCall>> {
 /// Splits a reply into the text outside `<tool_call>` blocks (trimmed) and
 /// the calls inside them.
 fn split_tool_calls(reply: &str) -> Result<(String, Vec<ToolCall>)> {
+    if !reply.contains(OPEN) && !reply.contains(CLOSE) {
+        if let Some(call) = bare_tool_call(reply) {
+            return Ok((String::new(), vec![call]));
+        }
+    }
     let mut text = String::new();
     let mut calls = Vec::new();
     let mut rest = reply;
@@ -362,6 +393,32 @@ mod tests {
         assert_eq!(parse_tool_calls("no calls here").unwrap(), vec![]);
         let bare = parse_tool_calls("<tool_call>{\"name\": \"now\"}</tool_call>").unwrap();
         assert_eq!(bare, vec![ToolCall::new("now", json!({}))]);
+    }
+
+    #[test]
+    fn a_reply_that_is_only_a_call_is_a_call_without_its_tags() {
+        let want = vec![ToolCall::new("w", json!({"city": "Paris"}))];
+        for reply in [
+            "{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}",
+            "\n  {\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}\n",
+            "```json\n{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}\n```",
+        ] {
+            let m = Message::parse_assistant(reply).unwrap();
+            assert_eq!((m.content.as_str(), &m.tool_calls), ("", &want), "{reply}");
+        }
+        // Anything else without tags is text, never an error.
+        for reply in [
+            "Call {\"name\": \"w\", \"arguments\": {}} now",
+            "{\"name\": \"w\"}",
+            "{\"name\": \"w\", \"arguments\": {}, \"age\": 3}",
+            "{\"name\": \"w\", \"arguments\": [1]}",
+            "{not json}",
+            "```\nplain code\n```",
+        ] {
+            let m = Message::parse_assistant(reply).unwrap();
+            assert!(m.tool_calls.is_empty(), "{reply}");
+            assert_eq!(m.content, reply.trim());
+        }
     }
 
     #[test]
