@@ -3,6 +3,7 @@
 
 mod e2e;
 mod fetch;
+mod library;
 mod parity;
 mod test;
 
@@ -23,8 +24,13 @@ tasks:
                             of the quantized model's greedy text instead of a gate
   e2e                       the ember binary end to end on the real model: seeded
                             sampling, a piped two-turn chat
+  readme                    the README's library example in a fresh `cargo new` project
+                            depending on ember-model by path, run on the real model
+  package                   `cargo package` of the three library crates, and the packaged
+                            ember-sample and ember-model tested from their .crate files
   test                      the whole suite: fetch, `cargo test --workspace` under every
-                            instruction-set tier this CPU has, then parity
+                            instruction-set tier this CPU has, then parity, e2e, readme
+                            and package
   help                      this text
 ";
 
@@ -38,6 +44,8 @@ fn main() -> ExitCode {
         "fetch" => fetch::run(rest),
         "parity" => parity::run(rest),
         "e2e" => e2e::run(rest),
+        "readme" => library::readme(rest),
+        "package" => library::package(rest),
         "test" => test::run(rest),
         "help" | "-h" | "--help" => {
             print!("{HELP}");

@@ -177,7 +177,7 @@ fn report_quantized(ember: &Path, model: &Path, refs: &[(Reference, Option<Promp
 }
 
 /// Every reference prompt decoded greedily alone and all together in shared
-/// forward passes (`ember_model::step`, through the `sequences` example):
+/// forward passes (`ember_model::advanced::step`, through the `sequences` example):
 /// the ids must agree up to the first step where transformers' margin is
 /// below the exact bar's (past a near-tie, either branch is right).
 fn check_sequences(model: &Path, refs: &[(Reference, Option<Prompt>)]) -> Result<String> {

@@ -5,7 +5,10 @@
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
 //!    said so), so every SIMD kernel and the whole model run under each;
 //! 3. `cargo xtask parity` on the real model;
-//! 4. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model.
+//! 4. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model;
+//! 5. `cargo xtask readme`: the README's library example in a fresh project;
+//! 6. `cargo xtask package`: the library crates packaged, and their packaged
+//!    tests run from the packages alone.
 
 use anyhow::{bail, Context, Result};
 use std::process::Command;
@@ -36,5 +39,7 @@ pub fn run(args: &[String]) -> Result<()> {
         }
     }
     crate::parity::run(&[])?;
-    crate::e2e::run(&[])
+    crate::e2e::run(&[])?;
+    crate::library::readme(&[])?;
+    crate::library::package(&[])
 }

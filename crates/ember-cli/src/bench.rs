@@ -5,7 +5,7 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::bench;
+use ember_model::advanced::bench;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -110,7 +110,8 @@ pub fn run(args: Args) -> Result<()> {
         return print(&args, &dir, &rows, None);
     }
     let threads = init_threads(args.threads.first().copied())?;
-    let mut model = ember_model::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let mut model =
+        ember_model::advanced::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     if let Some(q) = args.quant {
         model.quantize(&crate::runtime::quant_policy(q)?);
     }

@@ -4,18 +4,14 @@
 //! Each turn renders the whole conversation with the model's chat template
 //! and hands it to [`Session::generate_from`], which keeps the KV cache of
 //! everything that did not change and runs only the new tokens. Ctrl-C stops
-//! the reply being written; `/reset` forgets the conversation; `/exit` or
-//! end of input leaves.
+//! the reply being written (a [`CancelToken`], checked before every forward
+//! pass); `/reset` forgets the conversation; `/exit` or end of input leaves.
 
 use crate::runtime::RuntimeArgs;
 use crate::sampling::SamplingArgs;
 use anyhow::{Context, Result};
-use ember_model::{GenerateOptions, Message, Model, Role, Session, StopReason};
+use ember_model::{CancelToken, GenerateOptions, Message, Model, Role, Session, StopReason};
 use std::io::{BufRead, IsTerminal, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
-
-/// Set by Ctrl-C; the reply being generated stops at the next token.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -71,13 +67,19 @@ struct TurnJson<'a> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (model, dir, _) = args.runtime.load()?;
-    let sampler = args.sampling.config(&model);
-    ember_model::Sampler::new(sampler.clone())?;
-    let options =
-        GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
-    let mut session = args.runtime.session(&model)?;
-    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
+    let (model, dir) = args.runtime.load()?;
+    // Ctrl-C cancels the reply being generated (the token is reset each turn).
+    let cancel = CancelToken::new();
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        cancel: Some(cancel.clone()),
+        ..GenerateOptions::from_model_with(&model, &args.sampling.overrides())
+    };
+    options.sampler.validate()?;
+    let mut session = model.session();
+    let on_interrupt = cancel.clone();
+    ctrlc::set_handler(move || on_interrupt.cancel()).context("installing the Ctrl-C handler")?;
 
     let interactive = std::io::stdin().is_terminal();
     if interactive {
@@ -119,13 +121,12 @@ pub fn run(args: Args) -> Result<()> {
             continue;
         };
         turn += 1;
-        INTERRUPTED.store(false, Ordering::SeqCst);
+        cancel.reset();
         let mut generation = session.generate_from(&ids, options.clone())?;
         let mut reply = String::new();
         let mut reply_ids = Vec::new();
         let stdout = std::io::stdout();
         let mut out = stdout.lock();
-        let mut interrupted = false;
         for token in &mut generation {
             let token = token?;
             reply_ids.push(token.id);
@@ -134,20 +135,12 @@ pub fn run(args: Args) -> Result<()> {
                 out.write_all(token.text.as_bytes())?;
                 out.flush()?;
             }
-            if INTERRUPTED.swap(false, Ordering::SeqCst) {
-                interrupted = true;
-                break;
-            }
         }
         let stats = generation.stats().clone();
         drop(generation);
-        let stop = match (interrupted, stats.stop) {
-            (true, _) => "interrupted",
-            (_, Some(StopReason::Eos)) => "eos",
-            (_, Some(StopReason::MaxTokens)) => "max_tokens",
-            (_, Some(StopReason::ContextFull)) => "context_full",
-            (_, Some(StopReason::StopString)) => "stop_string",
-            (_, None) => "none",
+        let stop = match stats.stop {
+            Some(StopReason::Cancelled) => "interrupted",
+            other => other.map_or("none", StopReason::name),
         };
         if args.json {
             let j = TurnJson {

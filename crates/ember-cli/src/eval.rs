@@ -4,7 +4,8 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{eval, load_qwen2, Precision, Tokenizer, WeightType};
+use ember_model::advanced::{eval, load_qwen2, Qwen2};
+use ember_model::{Precision, Tokenizer, WeightType};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -71,6 +72,9 @@ struct Json<'a> {
 
 pub fn run(args: Args) -> Result<()> {
     init_threads(args.threads)?;
+    if args.ctx < 4 {
+        bail!("invalid option: --ctx must be at least 4, not {}", args.ctx);
+    }
     let dir = model_dir(args.model.clone())?;
     let text = std::fs::read_to_string(&args.corpus)
         .with_context(|| format!("reading the corpus {}", args.corpus.display()))?;
@@ -80,7 +84,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("the corpus has {} tokens, fewer than one window of --ctx {}", tokens.len(), args.ctx);
     }
     let against_exact = args.against == "exact";
-    let load = |quant: Option<WeightType>, precision: Precision| -> Result<ember_model::Qwen2> {
+    let load = |quant: Option<WeightType>, precision: Precision| -> Result<Qwen2> {
         let start = Instant::now();
         let mut m = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
         if let Some(q) = quant {
@@ -103,8 +107,8 @@ pub fn run(args: Args) -> Result<()> {
         None => (&base, None),
     };
     let start = Instant::now();
-    let path = if args.token_by_token { eval::Path::TokenByToken } else { eval::Path::Batched };
-    let report = eval::evaluate_with(model, base, &tokens, args.ctx, path, |done, total| {
+    let mode = if args.token_by_token { eval::Mode::TokenByToken } else { eval::Mode::Batched };
+    let report = eval::evaluate_with(model, base, &tokens, args.ctx, mode, |done, total| {
         eprint!("\reval: window {done}/{total}, {:.0} s", start.elapsed().as_secs_f64());
         let _ = std::io::stderr().flush();
     })?;

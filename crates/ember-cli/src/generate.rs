@@ -74,7 +74,7 @@ fn top_n(logits: &[f32], n: usize) -> TopLogits {
 
 pub fn run(args: Args) -> Result<()> {
     let user_prompt = args.prompt.clone().context("--prompt is required")?;
-    let (model, _, threads) = args.runtime.load()?;
+    let (model, _) = args.runtime.load()?;
 
     let prompt = if args.chat {
         let mut messages = Vec::new();
@@ -87,11 +87,13 @@ pub fn run(args: Args) -> Result<()> {
         user_prompt
     };
     let prompt_ids = model.encode(&prompt)?;
-    let sampler = args.sampling.config(&model);
-    let seed = sampler.seed;
-    let options =
-        GenerateOptions { max_tokens: args.max_tokens, sampler, stop_at_eos: true, stop_strings: args.stop.clone() };
-    let mut session = args.runtime.session(&model)?;
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        ..GenerateOptions::from_model_with(&model, &args.sampling.overrides())
+    };
+    let seed = options.sampler.seed;
+    let mut session = model.session();
     let mut generation = session.generate(&prompt_ids, options)?;
 
     let mut ids = Vec::new();
@@ -114,13 +116,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let stats = generation.stats().clone();
     drop(generation);
-    let stop = match stats.stop {
-        Some(StopReason::Eos) => "eos",
-        Some(StopReason::MaxTokens) => "max_tokens",
-        Some(StopReason::ContextFull) => "context_full",
-        Some(StopReason::StopString) => "stop_string",
-        None => "none",
-    };
+    let stop = stats.stop.map_or("none", StopReason::name);
     if args.json {
         let json = JsonOut {
             prompt_ids,
@@ -147,7 +143,7 @@ pub fn run(args: Args) -> Result<()> {
             stats.prefill.as_secs_f64() * 1e3,
             stats.decode_tokens,
             stats.decode_tok_s(),
-            threads,
+            model.threads(),
         );
     }
     Ok(())

@@ -95,38 +95,11 @@ pub(crate) fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-/// Physical cores this process may use: hyper-threads share a core's memory
-/// bandwidth and FMA units, so decoding gains nothing from them. Counted from
-/// Linux's CPU topology, capped by the CPUs the process may run on.
-fn physical_cores() -> usize {
-    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut cores = std::collections::HashSet::new();
-    if let Ok(entries) = std::fs::read_dir("/sys/devices/system/cpu") {
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.strip_prefix("cpu").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
-                continue;
-            }
-            let topo = e.path().join("topology");
-            let read = |f: &str| std::fs::read_to_string(topo.join(f)).ok().map(|s| s.trim().to_string());
-            if let (Some(pkg), Some(core)) = (read("physical_package_id"), read("core_id")) {
-                cores.insert((pkg, core));
-            }
-        }
-    }
-    match cores.len() {
-        0 => logical,
-        n => n.min(logical),
-    }
-}
-
-/// Starts the kernels' thread pool with `threads` (default: physical cores).
+/// Starts the kernels' thread pool with `threads` (default: the library's,
+/// the physical cores), for the commands that load the decoder alone.
 pub(crate) fn init_threads(threads: Option<usize>) -> Result<usize> {
-    let n = match threads {
-        Some(0) => bail!("--threads must be at least 1"),
-        Some(n) => n,
-        None => physical_cores(),
-    };
-    ember_kernels::pool::init_global(n);
-    Ok(n)
+    if threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    Ok(ember_model::advanced::init_threads(threads)?)
 }

@@ -3,7 +3,8 @@
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
-use ember_model::{load_qwen2, Config, TensorStore, WeightType};
+use ember_model::advanced::{load_qwen2, TensorStore};
+use ember_model::{Config, WeightType};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -39,7 +40,7 @@ pub fn run(args: Args) -> Result<()> {
     model.quantize(&crate::runtime::quant_policy(args.quant)?);
     let quantized = start.elapsed();
     let store = TensorStore::open_dir(&dir)?;
-    ember_model::quantize::write_folder(&dir, &store, &model, &args.out)
+    ember_model::advanced::quantize::write_folder(&dir, &store, &model, &args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     let size = std::fs::metadata(args.out.join("model.safetensors")).map(|m| m.len()).unwrap_or(0);
     eprintln!(

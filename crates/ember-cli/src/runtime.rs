@@ -1,12 +1,12 @@
 //! Flags shared by `ember` and `ember chat`: which model, how much context,
 //! how prompts are batched, how many threads.
 
-use crate::{init_threads, model_dir};
+use crate::model_dir;
 use anyhow::{bail, Context, Result};
-use ember_model::{
-    Model, Precision, QuantPolicy, Session, WeightRole, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK,
-};
+use ember_model::advanced::{QuantPolicy, WeightRole};
+use ember_model::{Model, Precision, WeightType, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct RuntimeArgs {
@@ -70,25 +70,29 @@ pub fn quant_policy(q: WeightType) -> Result<QuantPolicy> {
 }
 
 impl RuntimeArgs {
-    /// Starts the thread pool and loads the model; returns it, its folder and
-    /// the thread count.
-    pub fn load(&self) -> Result<(Model, PathBuf, usize)> {
+    /// Loads the model with the library's builder, these flags its settings
+    /// (`--ctx` is capped at the model's maximum there); returns it and its
+    /// folder.
+    pub fn load(&self) -> Result<(Arc<Model>, PathBuf)> {
         if self.prefill_chunk == 0 {
             bail!("--prefill-chunk must be at least 1");
         }
-        let threads = init_threads(self.threads)?;
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        if self.ctx == 0 {
+            bail!("--ctx must be at least 1");
+        }
         let dir = model_dir(self.model.clone())?;
-        let policy = self.quant.map(quant_policy).transpose()?;
-        let mut model =
-            Model::load_quantized(&dir, policy).with_context(|| format!("loading the model in {}", dir.display()))?;
-        model.qwen2.precision = self.precision;
-        Ok((model, dir, threads))
-    }
-
-    /// A session with `--ctx` (capped at the model's maximum) and `--prefill-chunk`.
-    pub fn session<'m>(&self, model: &'m Model) -> Result<Session<'m>> {
-        let mut session = model.session(self.ctx.min(model.config().max_position_embeddings))?;
-        session.set_prefill_chunk(self.prefill_chunk);
-        Ok(session)
+        let mut builder =
+            Model::builder(&dir).context(self.ctx).prefill_chunk(self.prefill_chunk).precision(self.precision);
+        if let Some(t) = self.threads {
+            builder = builder.threads(t);
+        }
+        if let Some(q) = self.quant {
+            builder = builder.quantize(quant_policy(q)?);
+        }
+        let model = builder.load().with_context(|| format!("loading the model in {}", dir.display()))?;
+        Ok((model, dir))
     }
 }

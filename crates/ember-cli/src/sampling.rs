@@ -1,7 +1,8 @@
-//! Sampling flags shared by `ember` and `ember chat`, resolved against the
-//! model's `generation_config.json`.
+//! Sampling flags shared by `ember` and `ember chat`: the library's
+//! [`SamplerOverrides`], which it resolves against the model's
+//! `generation_config.json`.
 
-use ember_model::{Model, SamplerConfig};
+use ember_model::SamplerOverrides;
 
 /// Sampling settings. Unset flags take the model's `generation_config.json`
 /// values (for Qwen2.5: temperature 0.7, top-k 20, top-p 0.8, repetition
@@ -46,38 +47,19 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// The sampler settings: these flags over the model's defaults.
-    pub fn config(&self, model: &Model) -> SamplerConfig {
-        let g = &model.generation_config;
-        // generation_config.json's values apply only when it samples at all.
-        let sampling = g.do_sample.unwrap_or(true);
-        let mut c = SamplerConfig::default();
-        if sampling {
-            c.temperature = g.temperature.unwrap_or(c.temperature);
-            c.top_k = g.top_k.unwrap_or(c.top_k);
-            c.top_p = g.top_p.unwrap_or(c.top_p);
-            c.min_p = g.min_p.unwrap_or(c.min_p);
-        } else {
-            c.temperature = 0.0;
+    /// These flags, one to one; the library fills in the rest from the
+    /// model (`GenerateOptions::from_model_with`).
+    pub fn overrides(&self) -> SamplerOverrides {
+        SamplerOverrides {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: Some(self.presence_penalty),
+            frequency_penalty: Some(self.frequency_penalty),
+            penalty_last_n: Some(self.repeat_last_n),
+            seed: self.seed,
         }
-        c.repetition_penalty = g.repetition_penalty.unwrap_or(c.repetition_penalty);
-        c.temperature = self.temperature.unwrap_or(c.temperature);
-        c.top_k = self.top_k.unwrap_or(c.top_k);
-        c.top_p = self.top_p.unwrap_or(c.top_p);
-        c.min_p = self.min_p.unwrap_or(c.min_p);
-        // `--temperature 0` is plain greedy decoding, as transformers'
-        // `do_sample=False` reference: the model's default penalty applies only
-        // when sampling, or when asked for explicitly.
-        if c.temperature == 0.0 {
-            c.repetition_penalty = 1.0;
-        }
-        c.repetition_penalty = self.repetition_penalty.unwrap_or(c.repetition_penalty);
-        c.presence_penalty = self.presence_penalty;
-        c.frequency_penalty = self.frequency_penalty;
-        c.penalty_last_n = self.repeat_last_n;
-        c.seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-        });
-        c
     }
 }

@@ -1,11 +1,12 @@
 //! Several sequences decoded together, as a server's scheduler would step
 //! them: each prompt is generated greedily alone (a `Session`), then all of
-//! them together through `ember_model::step`, and both id lists are printed,
+//! them together through `ember_model::advanced::step`, and both id lists are printed,
 //! one JSON line per prompt. `cargo xtask parity` compares them.
 //!
 //!     cargo run --release -p ember-model --example sequences -- MODEL_DIR MAX_TOKENS PROMPT_IDS_JSON...
 
-use ember_model::{step, Context, Decoding, GenerateOptions, Model, SamplerConfig, Scratch};
+use ember_model::advanced::{step, Context, Decoding, Scratch};
+use ember_model::{GenerateOptions, Model, SamplerConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -22,12 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut alone = Vec::new();
     for p in &prompts {
-        let mut session = model.session(context)?;
+        let mut session = model.session_with_context(context)?;
         let ids: Result<Vec<u32>, _> = session.generate(p, options.clone())?.map(|t| t.map(|t| t.id)).collect();
         alone.push(ids?);
     }
 
-    let mut contexts: Vec<Context> = prompts.iter().map(|_| Context::new(model.qwen2.new_cache(context))).collect();
+    let mut contexts: Vec<Context> = prompts.iter().map(|_| Context::new(model.decoder().new_cache(context))).collect();
     let mut decodings: Vec<Decoding> =
         prompts.iter().map(|p| Decoding::new(&model, options.clone(), p.clone(), 0)).collect::<Result<_, _>>()?;
     let mut together = vec![Vec::new(); prompts.len()];

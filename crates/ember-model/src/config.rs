@@ -10,11 +10,14 @@ use std::path::Path;
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum TokenIds {
+    /// A single id.
     One(u32),
+    /// A list of ids.
     Many(Vec<u32>),
 }
 
 impl TokenIds {
+    /// The ids as a list.
     pub fn to_vec(&self) -> Vec<u32> {
         match self {
             TokenIds::One(id) => vec![*id],
@@ -61,21 +64,32 @@ struct RawConfig {
 /// A validated Qwen2 configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); `num_attention_heads` unless given.
     pub num_key_value_heads: usize,
     /// Per-head width; `hidden_size / num_attention_heads` unless given.
     pub head_dim: usize,
+    /// The RMSNorms' epsilon.
     pub rms_norm_eps: f32,
+    /// RoPE's base (`rope_theta`, or `rope_parameters.rope_theta`; 10000 unless given).
     pub rope_theta: f32,
+    /// The longest context the model was trained for.
     pub max_position_embeddings: usize,
+    /// Rows of the embedding and the LM head.
     pub vocab_size: usize,
+    /// Whether the LM head is the embedding matrix.
     pub tie_word_embeddings: bool,
     /// End-of-sequence ids from `config.json` (see [`GenerationConfig`] for
     /// the list generation actually stops on).
     pub eos_token_ids: Vec<u32>,
+    /// The beginning-of-sequence id, if any (Qwen2 prompts do not start with it).
     pub bos_token_id: Option<u32>,
 }
 
@@ -198,16 +212,26 @@ impl Config {
     }
 }
 
-/// Generation defaults from `generation_config.json` (all optional).
+/// Generation defaults from `generation_config.json` (all optional), as
+/// HuggingFace names them; [`GenerationConfig::sampler_config`] turns them
+/// into sampler settings.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct GenerationConfig {
+    /// The ids generation stops on (wins over `config.json`'s).
     pub eos_token_id: Option<TokenIds>,
+    /// The beginning-of-sequence id.
     pub bos_token_id: Option<TokenIds>,
+    /// Whether the model's authors sample by default (else greedy).
     pub do_sample: Option<bool>,
+    /// Default temperature.
     pub temperature: Option<f32>,
+    /// Default top-p.
     pub top_p: Option<f32>,
+    /// Default top-k.
     pub top_k: Option<usize>,
+    /// Default min-p.
     pub min_p: Option<f32>,
+    /// Default repetition penalty.
     pub repetition_penalty: Option<f32>,
 }
 
@@ -224,7 +248,7 @@ impl GenerationConfig {
 
 /// The ids generation stops on: `generation_config.json`'s `eos_token_id`
 /// list when present, else `config.json`'s.
-pub fn eos_ids(config: &Config, generation: &GenerationConfig) -> Vec<u32> {
+pub(crate) fn eos_ids(config: &Config, generation: &GenerationConfig) -> Vec<u32> {
     match &generation.eos_token_id {
         Some(ids) => ids.to_vec(),
         None => config.eos_token_ids.clone(),

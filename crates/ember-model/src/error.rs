@@ -1,73 +1,183 @@
 //! Errors of loading and running a model. Each names the file, tensor or
-//! field at fault, so a user can act on the message alone.
+//! field at fault, so a user can act on the message alone; none names a
+//! command-line flag (a program adds its own hints).
 
 use std::path::PathBuf;
 
 /// Result with ember-model's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What went wrong, with the file, tensor or field at fault.
+///
+/// The enum is `non_exhaustive`: match the variants you act on and keep a
+/// wildcard arm. `Display` gives a complete sentence for a user.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The model folder does not exist.
     #[error("model folder {0} does not exist")]
     MissingModelDir(PathBuf),
 
+    /// Reading a file failed.
     #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
 
+    /// A JSON file (`config.json`, `tokenizer_config.json`, ...) does not parse.
     #[error("{}: not a valid file: {source}", path.display())]
-    Json { path: PathBuf, source: serde_json::Error },
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, with line and column.
+        source: serde_json::Error,
+    },
 
+    /// A field of `config.json` has a value ember cannot run.
     #[error("{}: field `{field}`: {message}", path.display())]
-    Config { path: PathBuf, field: &'static str, message: String },
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// The field, as HuggingFace names it.
+        field: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
 
+    /// `config.json` names another architecture than Qwen2.
     #[error("{}: unsupported architecture {found}; ember runs Qwen2ForCausalLM (model_type \"qwen2\")", path.display())]
-    UnknownArchitecture { path: PathBuf, found: String },
+    UnknownArchitecture {
+        /// The file.
+        path: PathBuf,
+        /// The architecture and model type found.
+        found: String,
+    },
 
+    /// The folder has neither `model.safetensors` nor an index of shards.
     #[error("{}: no weights: expected model.safetensors or model.safetensors.index.json", dir.display())]
-    MissingWeights { dir: PathBuf },
+    MissingWeights {
+        /// The model folder.
+        dir: PathBuf,
+    },
 
+    /// A safetensors file is truncated or malformed.
     #[error("{}: invalid safetensors file: {message}", path.display())]
-    Safetensors { path: PathBuf, message: String },
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 
+    /// A tensor the config calls for is not in the weights.
     #[error("{}: tensor `{name}` is missing", path.display())]
-    MissingTensor { path: PathBuf, name: String },
+    MissingTensor {
+        /// The weights file (or index) searched.
+        path: PathBuf,
+        /// The tensor's HuggingFace name.
+        name: String,
+    },
 
+    /// A tensor's shape differs from what the config implies.
     #[error("{}: tensor `{name}` has shape {found:?}, expected {expected:?}", path.display())]
-    Shape { path: PathBuf, name: String, found: Vec<usize>, expected: Vec<usize> },
+    Shape {
+        /// The weights file.
+        path: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// Its shape in the file.
+        found: Vec<usize>,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+    },
 
+    /// A tensor is stored in a type ember does not read.
     #[error("{}: tensor `{name}` has dtype {dtype}; ember reads BF16, F16 and F32", path.display())]
-    Dtype { path: PathBuf, name: String, dtype: String },
+    Dtype {
+        /// The weights file.
+        path: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// Its safetensors dtype.
+        dtype: String,
+    },
 
+    /// `tokenizer.json` is missing or does not load.
     #[error("{}: tokenizer: {message}", path.display())]
-    Tokenizer { path: PathBuf, message: String },
+    Tokenizer {
+        /// The file.
+        path: PathBuf,
+        /// The tokenizers library's message.
+        message: String,
+    },
 
+    /// Encoding or decoding text failed.
     #[error("tokenizer: {0}")]
     Encode(String),
 
+    /// The chat template is missing, does not compile, or failed to render
+    /// (templates raise errors for conversations they refuse).
     #[error("chat template: {0}")]
     Template(String),
 
+    /// The prompt does not fit in the session's context.
     #[error("the prompt has {prompt} tokens but the context holds {context} (the model allows up to {max})")]
-    PromptTooLong { prompt: usize, context: usize, max: usize },
+    PromptTooLong {
+        /// Tokens the context would need to hold (what it holds plus the prompt).
+        prompt: usize,
+        /// The session's context.
+        context: usize,
+        /// The model's `max_position_embeddings`.
+        max: usize,
+    },
 
+    /// A generation was asked for with no token to start from.
     #[error("the prompt is empty: at least one token is needed")]
     EmptyPrompt,
 
+    /// A token id is not in the model's vocabulary.
     #[error("token id {id} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange { id: u32, vocab: usize },
+    TokenOutOfRange {
+        /// The id.
+        id: u32,
+        /// The model's `vocab_size`.
+        vocab: usize,
+    },
 
+    /// A forward pass would write past a KV cache's capacity.
     #[error("context of {context} tokens is full")]
-    ContextFull { context: usize },
+    ContextFull {
+        /// The cache's capacity.
+        context: usize,
+    },
 
+    /// A batch of the multi-sequence API does not continue its caches.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
 
+    /// A setting is out of range (a context of 0 tokens, ...).
     #[error("invalid option: {0}")]
     Option(String),
 
+    /// The process-wide worker pool already runs another number of threads.
+    #[error("the worker pool already runs {running} threads; it is sized once per process, so {requested} cannot be set now")]
+    Threads {
+        /// The threads asked for.
+        requested: usize,
+        /// The threads the pool has.
+        running: usize,
+    },
+
+    /// A sampler setting is out of range.
     #[error("sampler: {0}")]
     Sampler(#[from] ember_sample::SamplerError),
+
+    /// A model's tool call could not be read (see [`parse_tool_calls`](crate::parse_tool_calls)).
+    #[error("{0}")]
+    ToolCall(String),
 }
 
 impl Error {

@@ -25,9 +25,11 @@ pub struct EvalReport {
     pub kld_p99: f64,
     /// Fraction of scored tokens where both models' most likely token agree.
     pub top1: f64,
-    /// Tokens scored, and windows run.
+    /// Tokens scored.
     pub tokens: usize,
+    /// Windows run.
     pub windows: usize,
+    /// Tokens per window.
     pub ctx: usize,
 }
 
@@ -42,7 +44,7 @@ struct Score {
 
 /// How the evaluated model runs each window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Path {
+pub enum Mode {
     /// The whole window as one batched prefill (matrix products).
     #[default]
     Batched,
@@ -61,21 +63,21 @@ pub fn evaluate(
     ctx: usize,
     progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport> {
-    evaluate_with(model, base, tokens, ctx, Path::Batched, progress)
+    evaluate_with(model, base, tokens, ctx, Mode::Batched, progress)
 }
 
-/// [`evaluate`] with the evaluated model run along `path` (the base always
+/// [`evaluate`] with the evaluated model run as `mode` says (the base always
 /// runs batched).
 pub fn evaluate_with(
     model: &Qwen2,
     base: Option<&Qwen2>,
     tokens: &[u32],
     ctx: usize,
-    path: Path,
+    mode: Mode,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport> {
     if ctx < 4 {
-        return Err(Error::Option(format!("--ctx must be at least 4, not {ctx}")));
+        return Err(Error::Option(format!("windows must be at least 4 tokens, not {ctx}")));
     }
     let windows = tokens.len() / ctx;
     if windows == 0 {
@@ -95,9 +97,9 @@ pub fn evaluate_with(
     for w in 0..windows {
         let window = &tokens[w * ctx..(w + 1) * ctx];
         let mut state = model.new_state(ctx);
-        match path {
-            Path::Batched => logits.copy_from_slice(state.run_scored(model, window, first)?),
-            Path::TokenByToken => {
+        match mode {
+            Mode::Batched => logits.copy_from_slice(state.run_scored(model, window, first)?),
+            Mode::TokenByToken => {
                 for (j, &id) in window.iter().enumerate() {
                     let out = state.run(model, &[id], j >= first)?;
                     if let Some(l) = out {

@@ -1,14 +1,17 @@
-//! A loaded model and text generation with streaming.
+//! Generation of one or several sequences: what a sequence holds between
+//! forward passes ([`Context`]), how it is being generated ([`Decoding`]),
+//! and [`step`], one forward pass for several sequences followed by a sample
+//! each. [`Session`](crate::Session) and [`Generation`](crate::Generation)
+//! drive one sequence with these.
 
-use crate::config::{eos_ids, Config, GenerationConfig};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::qwen2::{BatchToken, QuantPolicy, Qwen2, Scratch};
+use crate::model::Model;
+use crate::options::{CancelToken, GenerateOptions};
+use crate::qwen2::{BatchToken, Scratch};
 use crate::stream::TextStream;
-use crate::tokenizer::{Message, Tokenizer};
-use crate::weights::TensorStore;
-use ember_sample::{Sampler, SamplerConfig};
-use std::path::{Path, PathBuf};
+use ember_sample::Sampler;
+use std::fmt;
 use std::time::{Duration, Instant};
 
 /// Context used when the caller does not choose one: enough for long chats,
@@ -21,133 +24,19 @@ pub const DEFAULT_CONTEXT: usize = 4096;
 /// micro-batch sits too.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
-/// A model folder, loaded: weights, tokenizer, chat template, generation defaults.
-pub struct Model {
-    pub qwen2: Qwen2,
-    pub tokenizer: Tokenizer,
-    pub generation_config: GenerationConfig,
-    eos: Vec<u32>,
-    dir: PathBuf,
-}
-
-impl Model {
-    /// Loads `config.json`, the safetensors weights (memory-mapped),
-    /// `tokenizer.json`, the chat template and `generation_config.json`.
-    pub fn load(dir: impl AsRef<Path>) -> Result<Model> {
-        Model::load_quantized(dir, None)
-    }
-
-    /// [`Model::load`], then the weight matrices quantized as `policy` says
-    /// if given ([`Qwen2::quantize`]; a few seconds for a 0.5B model).
-    pub fn load_quantized(dir: impl AsRef<Path>, policy: Option<QuantPolicy>) -> Result<Model> {
-        let dir = dir.as_ref();
-        if !dir.is_dir() {
-            return Err(Error::MissingModelDir(dir.to_path_buf()));
-        }
-        let mut qwen2 = load_qwen2(dir)?;
-        if let Some(policy) = &policy {
-            qwen2.quantize(policy);
-        }
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
-        let eos = eos_ids(&qwen2.config, &generation_config);
-        Ok(Model { qwen2, tokenizer, generation_config, eos, dir: dir.to_path_buf() })
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.qwen2.config
-    }
-
-    /// The folder the model was loaded from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The ids generation stops on.
-    pub fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
-    }
-
-    /// Token ids of `text` (special tokens written in it are recognised).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.tokenizer.encode(text)
-    }
-
-    /// The prompt for a chat: the model's template applied to `messages`,
-    /// ending with the assistant's turn header.
-    pub fn chat_prompt(&self, messages: &[Message]) -> Result<String> {
-        self.tokenizer.apply_chat_template(messages, true)
-    }
-
-    /// A new conversation with room for `context` tokens (prompt and output).
-    pub fn session(&self, context: usize) -> Result<Session<'_>> {
-        let max = self.config().max_position_embeddings;
-        if context == 0 || context > max {
-            return Err(Error::Option(format!(
-                "context must be between 1 and the model's {max} tokens, not {context}"
-            )));
-        }
-        Ok(Session {
-            model: self,
-            context: Context::new(self.qwen2.new_cache(context)),
-            scratch: Scratch::default(),
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
-        })
-    }
-}
-
-/// Loads just the decoder (config and weights) from a folder: no tokenizer.
-pub fn load_qwen2(dir: &Path) -> Result<Qwen2> {
-    if !dir.is_dir() {
-        return Err(Error::MissingModelDir(dir.to_path_buf()));
-    }
-    let config = Config::from_file(&dir.join("config.json"))?;
-    let store = TensorStore::open_dir(dir)?;
-    Qwen2::from_store(config, &store)
-}
-
-/// What to generate and when to stop.
-#[derive(Clone, Debug)]
-pub struct GenerateOptions {
-    /// At most this many new tokens (the EOS token counts).
-    pub max_tokens: usize,
-    pub sampler: SamplerConfig,
-    /// Stop on the model's EOS ids.
-    pub stop_at_eos: bool,
-    /// Stop when the text contains any of these; the text streamed stops just
-    /// before it (text that might begin one is held back until it cannot).
-    pub stop_strings: Vec<String>,
-}
-
-impl Default for GenerateOptions {
-    fn default() -> Self {
-        GenerateOptions {
-            max_tokens: 256,
-            sampler: SamplerConfig::greedy(),
-            stop_at_eos: true,
-            stop_strings: Vec::new(),
-        }
-    }
-}
-
-/// A conversation: its [`Context`] and the buffers to run the model on it.
-pub struct Session<'m> {
-    model: &'m Model,
-    context: Context,
-    scratch: Scratch,
-    /// Prompt tokens per forward pass.
-    prefill_chunk: usize,
-}
-
 /// What one sequence holds between forward passes: its KV cache, the tokens
 /// in it, and tokens waiting to be run.
+///
+/// Cloning copies the cached positions (not the unused capacity): a fork
+/// that continues independently from the same prefix.
+#[derive(Clone)]
 pub struct Context {
-    cache: KvCache,
+    pub(crate) cache: KvCache,
     /// Tokens whose keys and values are cached, in order.
-    tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
     /// Tokens generated but not yet run through the model (the last sampled
     /// token of a reply); they run before the next prompt.
-    pending: Vec<u32>,
+    pub(crate) pending: Vec<u32>,
 }
 
 impl Context {
@@ -160,6 +49,12 @@ impl Context {
     /// Tokens whose keys and values are cached.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Tokens waiting to run before the next prompt (the last sampled token
+    /// of a reply).
+    pub fn pending(&self) -> &[u32] {
+        &self.pending
     }
 
     /// Positions the cache can hold.
@@ -179,8 +74,21 @@ impl Context {
     }
 }
 
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("cached", &self.tokens.len())
+            .field("pending", &self.pending)
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
 /// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// `Display` writes [`StopReason::name`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StopReason {
     /// The model produced one of its EOS ids.
     Eos,
@@ -190,28 +98,57 @@ pub enum StopReason {
     ContextFull,
     /// The text reached one of the stop strings.
     StopString,
+    /// The generation's [`CancelToken`] was cancelled.
+    Cancelled,
 }
 
-/// Timings and counts of one `generate` call.
+impl StopReason {
+    /// A short, stable name: `eos`, `max_tokens`, `context_full`,
+    /// `stop_string`, `cancelled` (as `ember --json` reports it).
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::ContextFull => "context_full",
+            StopReason::StopString => "stop_string",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Timings and counts of one generation.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
     /// Tokens run through the model before the first new token.
     pub prompt_tokens: usize,
+    /// Time from the start to the first new token: the prompt's forward
+    /// passes and the first draw.
     pub prefill: Duration,
     /// Forward passes after the first new token.
     pub decode_tokens: usize,
+    /// Time of those passes and their draws.
     pub decode: Duration,
     /// New tokens produced (including an EOS).
     pub generated: usize,
-    /// Cached tokens reused from earlier turns (see [`Session::generate_from`]).
+    /// Cached tokens reused from earlier turns (see [`Session::generate_from`](crate::Session::generate_from)).
     pub reused_tokens: usize,
+    /// Why it ended, once it has.
     pub stop: Option<StopReason>,
 }
 
 impl Stats {
+    /// Prompt tokens per second of prefill.
     pub fn prefill_tok_s(&self) -> f64 {
         rate(self.prompt_tokens, self.prefill)
     }
+
+    /// Tokens per second after the first.
     pub fn decode_tok_s(&self) -> f64 {
         rate(self.decode_tokens, self.decode)
     }
@@ -226,109 +163,42 @@ fn rate(n: usize, d: Duration) -> f64 {
 }
 
 /// One generated token and the text it completed (UTF-8 safe; may be empty
-/// while a multi-token character is still incomplete).
+/// while a multi-token character is still incomplete, or while text that
+/// may begin a stop string is held back).
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Token {
+    /// The token id.
     pub id: u32,
+    /// The text this token completed.
     pub text: String,
+    /// Whether it is one of the model's EOS ids (generation stops after it).
     pub is_eos: bool,
+    /// With [`GenerateOptions::logprobs`]: `ln p(id)` under the model's
+    /// distribution at this step, `log_softmax` of the raw logits (before
+    /// penalties, temperature or truncation).
+    pub logprob: Option<f32>,
+    /// With [`GenerateOptions::top_logprobs`]: the most likely tokens at
+    /// this step and their log-probabilities, most likely first (ties by
+    /// lower id); the sampled token may or may not be among them.
+    pub top_logprobs: Vec<TopLogprob>,
 }
 
-impl<'m> Session<'m> {
-    pub fn model(&self) -> &'m Model {
-        self.model
-    }
-
-    /// Tokens in the context (cached and pending).
-    pub fn len(&self) -> usize {
-        self.context.tokens.len() + self.context.pending.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The context's capacity in tokens.
-    pub fn capacity(&self) -> usize {
-        self.context.capacity()
-    }
-
-    /// Tokens whose keys and values are cached.
-    pub fn cached_tokens(&self) -> &[u32] {
-        &self.context.tokens
-    }
-
-    /// Sets how many prompt tokens go through the model at once (at least 1;
-    /// 1 means token by token). Memory for the block's activations grows with it.
-    pub fn set_prefill_chunk(&mut self, tokens: usize) {
-        self.prefill_chunk = tokens.max(1);
-    }
-
-    /// Forgets the conversation.
-    pub fn reset(&mut self) {
-        self.context.rewind(0);
-    }
-
-    /// Forgets every token after the first `len` of the context (cached or
-    /// pending); their cache entries are overwritten later.
-    pub fn rewind(&mut self, len: usize) {
-        self.context.rewind(len);
-    }
-
-    /// Starts generating after `all`, the whole conversation so far (say, a
-    /// chat template rendered again with the new user message). Only the
-    /// tokens that differ from what the session holds are run: the longest
-    /// common prefix is kept, the rest of the cache is discarded. The reused
-    /// count is in [`Stats::reused_tokens`].
-    pub fn generate_from<'s>(&'s mut self, all: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
-        let held = self.context.tokens.iter().chain(&self.context.pending);
-        let mut common = held.zip(all).take_while(|(a, b)| a == b).count();
-        if common == all.len() {
-            // Nothing new: run the last token again to get its logits.
-            common = common.saturating_sub(1);
-        }
-        if all.len() > self.capacity() {
-            return Err(Error::PromptTooLong {
-                prompt: all.len(),
-                context: self.capacity(),
-                max: self.model.config().max_position_embeddings,
-            });
-        }
-        self.rewind(common);
-        self.generate(&all[common..], options)
-    }
-
-    /// Starts generating after `prompt`, which continues what the session
-    /// already holds. Tokens stream from the returned iterator.
-    pub fn generate<'s>(&'s mut self, prompt: &[u32], options: GenerateOptions) -> Result<Generation<'s, 'm>> {
-        let vocab = self.model.config().vocab_size;
-        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::TokenOutOfRange { id, vocab });
-        }
-        let ctx = &mut self.context;
-        if ctx.pending.is_empty() && prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        let total = ctx.tokens.len() + ctx.pending.len() + prompt.len();
-        if total > ctx.capacity() {
-            // Nothing was run: keep the session as it was.
-            return Err(Error::PromptTooLong {
-                prompt: total,
-                context: ctx.capacity(),
-                max: self.model.config().max_position_embeddings,
-            });
-        }
-        let mut todo = std::mem::take(&mut ctx.pending);
-        todo.extend_from_slice(prompt);
-        let decoding = Decoding::new(self.model, options, todo, ctx.tokens.len())?;
-        Ok(Generation { session: self, decoding })
-    }
+/// A likely token at one step, with its log-probability.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopLogprob {
+    /// The token id ([`Model::decode`](crate::Model::decode) gives its text).
+    pub id: u32,
+    /// `ln p(id)`.
+    pub logprob: f32,
 }
 
 /// The generation state of one sequence, apart from the model: what is
 /// still to run, the sampler and its history, the text stream and stop
 /// strings, and the counts and timings. [`step`] drives several at once.
 pub struct Decoding {
+    /// Checked before every forward pass.
+    cancel: CancelToken,
     sampler: Sampler,
     options: GenerateOptions,
     /// Tokens to run before sampling the next one.
@@ -348,7 +218,21 @@ pub struct Decoding {
     stats: Stats,
     /// The token sampled by the latest [`step`], if any.
     sampled: Option<Token>,
+    /// Token ids `(vocab,)` reordered to find the most likely ones (only
+    /// with `top_logprobs`).
+    order: Vec<u32>,
     done: bool,
+}
+
+impl fmt::Debug for Decoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Decoding")
+            .field("options", &self.options)
+            .field("waiting", &(self.todo.len() - self.done_todo))
+            .field("stats", &self.stats)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Decoding {
@@ -358,6 +242,7 @@ impl Decoding {
         let sampler = Sampler::new(options.sampler.clone())?;
         let vocab = model.config().vocab_size;
         Ok(Decoding {
+            cancel: options.cancel.clone().unwrap_or_default(),
             sampler,
             options,
             todo,
@@ -369,6 +254,7 @@ impl Decoding {
             held: String::new(),
             stats: Stats { reused_tokens: reused, ..Stats::default() },
             sampled: None,
+            order: Vec::new(),
             done: false,
         })
     }
@@ -393,6 +279,11 @@ impl Decoding {
         self.sampled.take()
     }
 
+    /// The token [`step`] checks before each forward pass of this sequence.
+    pub fn cancel_token(&self) -> &CancelToken {
+        &self.cancel
+    }
+
     /// Checks the limits before a step; ends the generation if one is reached.
     fn ready(&mut self, ctx: &mut Context) {
         if self.done {
@@ -413,7 +304,8 @@ impl Decoding {
         self.history.push(id);
         self.stats.generated += 1;
         let is_eos = self.options.stop_at_eos && model.eos_token_ids().contains(&id);
-        let delta = self.stream.push(&model.tokenizer, id)?;
+        let (logprob, top_logprobs) = self.logprobs(id);
+        let delta = self.stream.push(model.tokenizer(), id)?;
         // The sampled token runs at the next step (or waits in the context).
         self.todo.clear();
         self.todo.push(id);
@@ -429,7 +321,7 @@ impl Decoding {
         };
         let mut delta = delta;
         if end.is_some() {
-            delta.push_str(&self.stream.finish(&model.tokenizer)?);
+            delta.push_str(&self.stream.finish(model.tokenizer())?);
         }
         let (text, hit) = self.stop_filter(delta, end.is_some());
         match (hit, end) {
@@ -437,7 +329,37 @@ impl Decoding {
             (false, Some(reason)) => self.stop(ctx, reason),
             (false, None) => {}
         }
-        Ok(Token { id, text, is_eos })
+        Ok(Token { id, text, is_eos, logprob, top_logprobs })
+    }
+
+    /// What the options ask for of `ln softmax(logits)`: the sampled token's
+    /// value and the most likely tokens'. Nothing is computed when neither
+    /// is asked for.
+    fn logprobs(&mut self, id: u32) -> (Option<f32>, Vec<TopLogprob>) {
+        let top = self.options.top_logprobs.min(self.logits.len());
+        if !self.options.logprobs && top == 0 {
+            return (None, Vec::new());
+        }
+        let l = &self.logits;
+        // log-sum-exp in f64, shifted by the maximum.
+        let max = l.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = l.iter().filter(|v| !v.is_nan()).map(|&v| (v as f64 - max).exp()).sum();
+        let lse = max + sum.ln();
+        let logprob = |i: u32| (l[i as usize] as f64 - lse) as f32;
+        let mut best = Vec::with_capacity(top);
+        if top > 0 {
+            // Descending logit, ties by lower id, NaN last.
+            let order = |a: &u32, b: &u32| {
+                let (x, y) = (l[*a as usize], l[*b as usize]);
+                y.partial_cmp(&x).unwrap_or_else(|| x.is_nan().cmp(&y.is_nan())).then(a.cmp(b))
+            };
+            self.order.clear();
+            self.order.extend(0..l.len() as u32);
+            self.order.select_nth_unstable_by(top - 1, order);
+            self.order[..top].sort_unstable_by(order);
+            best.extend(self.order[..top].iter().map(|&i| TopLogprob { id: i, logprob: logprob(i) }));
+        }
+        (self.options.logprobs.then(|| logprob(id)), best)
     }
 
     /// Applies the stop strings to a text delta: returns the text safe to
@@ -471,6 +393,21 @@ impl Decoding {
         (std::mem::replace(&mut self.held, rest), false)
     }
 
+    /// Ends a generation its caller stopped reading: what did not run
+    /// waits in `ctx`, with no stop reason.
+    pub(crate) fn abandon(&mut self, ctx: &mut Context) {
+        if !self.done {
+            self.done = true;
+            ctx.pending = self.todo[self.done_todo..].to_vec();
+            self.todo.clear();
+        }
+    }
+
+    /// Ends a generation after an error.
+    pub(crate) fn fail(&mut self) {
+        self.done = true;
+    }
+
     /// Ends the generation; the sampled-but-unrun token waits in `ctx`.
     fn stop(&mut self, ctx: &mut Context, reason: StopReason) {
         if !self.done {
@@ -486,7 +423,14 @@ impl Decoding {
 /// run through the model in shared forward passes (at most `chunk` tokens of
 /// each sequence per pass; a prompt longer than that takes several), then
 /// each sequence samples its next token, found afterwards with
-/// [`Decoding::take_token`]. Sequences that have ended are skipped.
+/// [`Decoding::take_token`]. Sequences that have ended are skipped; a
+/// sequence whose [`CancelToken`] is cancelled before one of its passes ends
+/// there ([`StopReason::Cancelled`]) and samples nothing.
+///
+/// This is the multi-sequence API a server's scheduler uses: each sequence
+/// is a [`Context`] (its KV cache and tokens) and a [`Decoding`], stepped
+/// together they produce what each produces alone, and a step costs about
+/// one forward pass, not one per sequence.
 pub fn step(
     model: &Model,
     scratch: &mut Scratch,
@@ -533,8 +477,13 @@ fn run_waiting(
     let vocab = model.config().vocab_size;
     loop {
         batch.clear();
-        for (s, (ctx, d)) in seqs.iter().enumerate().filter(|(_, (_, d))| !d.done) {
+        for (s, (ctx, d)) in seqs.iter_mut().enumerate().filter(|(_, (_, d))| !d.done) {
             let from = d.done_todo;
+            if from < d.todo.len() && d.cancel.is_cancelled() {
+                // What ran stays cached; the rest waits in the context.
+                d.stop(ctx, StopReason::Cancelled);
+                continue;
+            }
             let to = (from + chunk).min(d.todo.len());
             let pos0 = ctx.tokens.len();
             for (k, &token) in d.todo[from..to].iter().enumerate() {
@@ -546,7 +495,7 @@ fn run_waiting(
             return Ok(());
         }
         let mut caches: Vec<&mut KvCache> = seqs.iter_mut().map(|(ctx, _)| &mut ctx.cache).collect();
-        let logits = model.qwen2.forward(batch, &mut caches, scratch)?;
+        let logits = model.decoder().forward(batch, &mut caches, scratch)?;
         let mut row = 0;
         for (s, (ctx, d)) in seqs.iter_mut().enumerate() {
             let ran = batch.iter().filter(|b| b.seq == s).count();
@@ -559,58 +508,6 @@ fn run_waiting(
                 d.logits.copy_from_slice(&logits[row * vocab..(row + 1) * vocab]);
                 row += 1;
             }
-        }
-    }
-}
-
-/// An in-progress generation of a [`Session`]: an iterator of [`Token`]s.
-pub struct Generation<'s, 'm> {
-    session: &'s mut Session<'m>,
-    decoding: Decoding,
-}
-
-impl Generation<'_, '_> {
-    /// The logits `(vocab,)` the most recent token was drawn from (after the
-    /// first `next`, those at the prompt's last position).
-    pub fn logits(&self) -> &[f32] {
-        self.decoding.logits()
-    }
-
-    /// Counts and timings so far.
-    pub fn stats(&self) -> &Stats {
-        self.decoding.stats()
-    }
-
-    fn step(&mut self) -> Result<Option<Token>> {
-        let s = &mut *self.session;
-        step(s.model, &mut s.scratch, s.prefill_chunk, &mut [(&mut s.context, &mut self.decoding)])?;
-        Ok(self.decoding.take_token())
-    }
-}
-
-impl Iterator for Generation<'_, '_> {
-    type Item = Result<Token>;
-
-    fn next(&mut self) -> Option<Result<Token>> {
-        match self.step() {
-            Ok(Some(t)) => Some(Ok(t)),
-            Ok(None) => None,
-            Err(e) => {
-                self.decoding.done = true;
-                Some(Err(e))
-            }
-        }
-    }
-}
-
-impl Drop for Generation<'_, '_> {
-    fn drop(&mut self) {
-        // A generation dropped early (the caller stopped reading) still leaves
-        // its sampled-but-unrun token for the next turn.
-        if !self.decoding.done {
-            let d = &mut self.decoding;
-            self.session.context.pending = d.todo[d.done_todo..].to_vec();
-            d.done = true;
         }
     }
 }

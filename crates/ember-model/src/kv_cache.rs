@@ -17,7 +17,36 @@ pub struct KvCache {
     len: usize,
 }
 
+impl Clone for KvCache {
+    /// A cache of the same capacity holding the same filled positions; only
+    /// those are copied (the rest stays untouched, uncommitted memory).
+    fn clone(&self) -> KvCache {
+        let mut c = KvCache::new(self.layers, self.capacity, self.kv_dim);
+        let n = self.len * self.kv_dim;
+        for l in 0..self.layers {
+            let start = l * self.capacity * self.kv_dim;
+            c.keys[start..start + n].copy_from_slice(&self.keys[start..start + n]);
+            c.values[start..start + n].copy_from_slice(&self.values[start..start + n]);
+        }
+        c.len = self.len;
+        c
+    }
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("layers", &self.layers)
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .field("kv_dim", &self.kv_dim)
+            .finish()
+    }
+}
+
 impl KvCache {
+    /// An empty cache of `capacity` positions for `layers` layers of
+    /// `kv_dim` keys (and as many values) each.
     pub fn new(layers: usize, capacity: usize, kv_dim: usize) -> KvCache {
         let n = layers * capacity * kv_dim;
         KvCache { keys: vec![0.0; n], values: vec![0.0; n], layers, capacity, kv_dim, len: 0 }
@@ -28,6 +57,7 @@ impl KvCache {
         self.len
     }
 
+    /// Whether no position is cached.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -89,6 +119,10 @@ mod tests {
         c.advance();
         assert_eq!(c.layer(0, 2), (&[1.0, 2.0, 9.0, 10.0][..], &[3.0, 4.0, 11.0, 12.0][..]));
         assert_eq!(c.layer(1, 1), (&[5.0, 6.0][..], &[7.0, 8.0][..]));
+        let copy = c.clone();
+        assert_eq!((copy.len(), copy.capacity()), (2, 3));
+        assert_eq!(copy.layer(0, 2), c.layer(0, 2));
+        assert_eq!(copy.layer(1, 2), c.layer(1, 2));
         c.truncate(1);
         assert_eq!(c.len(), 1);
     }

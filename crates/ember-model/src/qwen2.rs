@@ -29,6 +29,7 @@ use ember_kernels::{
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {
+    /// `W (out, in)` in its stored (or quantized) type.
     pub weight: Tensor,
     /// `(out,)`, widened to f32 at load.
     pub bias: Option<Vec<f32>>,
@@ -56,15 +57,28 @@ impl Linear {
     }
 }
 
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Linear").field("weight", &self.weight).field("bias", &self.bias.as_ref().map(Vec::len)).finish()
+    }
+}
+
 /// Which matrix of the model a weight is, for choosing its precision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightRole {
+    /// `self_attn.q_proj`.
     Q,
+    /// `self_attn.k_proj`.
     K,
+    /// `self_attn.v_proj`.
     V,
+    /// `self_attn.o_proj`.
     O,
+    /// `mlp.gate_proj`.
     Gate,
+    /// `mlp.up_proj`.
     Up,
+    /// `mlp.down_proj`.
     Down,
     /// The token embedding and the LM head (one matrix when tied).
     Vocabulary,
@@ -83,6 +97,7 @@ impl WeightRole {
         WeightRole::Vocabulary,
     ];
 
+    /// The short name: `q`, `k`, `v`, `o`, `gate`, `up`, `down`, `vocab`.
     pub fn name(self) -> &'static str {
         match self {
             WeightRole::Q => "q",
@@ -117,7 +132,9 @@ pub const INT4_KEEPS_INT8: [WeightRole; 5] =
 /// except the `keep_int8` matrices, which get INT8.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuantPolicy {
+    /// The type most matrices get.
     pub format: WeightType,
+    /// The matrices that get INT8 instead.
     pub keep_int8: Vec<WeightRole>,
 }
 
@@ -146,26 +163,45 @@ impl From<WeightType> for QuantPolicy {
 }
 
 /// The attention half of a layer, named as in HF (`self_attn`).
+#[derive(Debug)]
 pub struct Attention {
+    /// `(heads * head_dim, hidden)`, with a bias.
     pub q_proj: Linear,
+    /// `(kv_heads * head_dim, hidden)`, with a bias.
     pub k_proj: Linear,
+    /// `(kv_heads * head_dim, hidden)`, with a bias.
     pub v_proj: Linear,
+    /// `(hidden, heads * head_dim)`.
     pub o_proj: Linear,
 }
 
 /// The SwiGLU MLP of a layer: `down(silu(gate(h)) * up(h))`.
+#[derive(Debug)]
 pub struct Mlp {
+    /// `(intermediate, hidden)`.
     pub gate_proj: Linear,
+    /// `(intermediate, hidden)`.
     pub up_proj: Linear,
+    /// `(hidden, intermediate)`.
     pub down_proj: Linear,
 }
 
 /// One decoder layer's weights.
 pub struct Layer {
+    /// RMSNorm weight `(hidden,)` before attention.
     pub input_layernorm: Vec<f32>,
+    /// q, k, v and o.
     pub self_attn: Attention,
+    /// RMSNorm weight `(hidden,)` before the MLP.
     pub post_attention_layernorm: Vec<f32>,
+    /// gate, up and down.
     pub mlp: Mlp,
+}
+
+impl std::fmt::Debug for Layer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Layer").field("self_attn", &self.self_attn).field("mlp", &self.mlp).finish_non_exhaustive()
+    }
 }
 
 /// A layer's matrices: HF name under `model.layers.N.`, role, `(rows, cols)`
@@ -184,7 +220,7 @@ fn layer_matrices(c: &Config) -> [(&'static str, WeightRole, [usize; 2], bool); 
 }
 
 impl Layer {
-    /// The matrices in [`layer_matrices`] order.
+    /// The matrices in HF order: q, k, v, o, gate, up, down.
     pub fn matrices(&self) -> [&Linear; 7] {
         let (a, m) = (&self.self_attn, &self.mlp);
         [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
@@ -198,9 +234,13 @@ impl Layer {
 
 /// The whole model's weights and the tables derived from its config.
 pub struct Qwen2 {
+    /// The validated `config.json`.
     pub config: Config,
+    /// `model.embed_tokens.weight (vocab, hidden)`.
     pub embed_tokens: Tensor,
+    /// `model.layers.N`.
     pub layers: Vec<Layer>,
+    /// `model.norm.weight (hidden,)`, the final RMSNorm.
     pub norm: Vec<f32>,
     /// `lm_head.weight`, or the embedding itself when tied or absent.
     pub lm_head: Tensor,
@@ -210,6 +250,18 @@ pub struct Qwen2 {
     /// policy). Single-token decode is unaffected.
     pub precision: Precision,
     rope: Rope,
+}
+
+impl std::fmt::Debug for Qwen2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qwen2")
+            .field("config", &self.config)
+            .field("layers", &self.layers.len())
+            .field("embed_tokens", &self.embed_tokens)
+            .field("lm_head", &self.lm_head)
+            .field("precision", &self.precision)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Qwen2 {
@@ -446,6 +498,7 @@ impl Qwen2 {
 /// One token of a batch for [`Qwen2::forward`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchToken {
+    /// The token id.
     pub token: u32,
     /// Which of the caches passed with the batch this token extends.
     pub seq: usize,
@@ -480,6 +533,12 @@ pub struct Scratch {
     pub(crate) batch: Vec<BatchToken>,
 }
 
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch").field("tokens", &self.tokens).finish_non_exhaustive()
+    }
+}
+
 impl Scratch {
     /// Makes room for `t` tokens (never shrinks).
     fn reserve(&mut self, c: &Config, t: usize) {
@@ -502,7 +561,9 @@ impl Scratch {
 }
 
 /// One sequence driven alone: its KV cache and a forward pass's buffers.
+#[derive(Debug)]
 pub struct State {
+    /// The sequence's keys and values.
     pub cache: KvCache,
     scratch: Scratch,
 }
@@ -543,6 +604,7 @@ impl State {
         self.cache.len()
     }
 
+    /// Whether no position has been processed.
     pub fn is_empty(&self) -> bool {
         self.cache.is_empty()
     }

@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::tokenizer::Tokenizer;
 
 /// Turns token ids into text deltas, one id at a time.
-#[derive(Default)]
+#[derive(Clone, Debug, Default)]
 pub struct TextStream {
     ids: Vec<u32>,
     /// Start of the decoding window: tokens before it are never re-decoded.
@@ -19,6 +19,7 @@ pub struct TextStream {
 }
 
 impl TextStream {
+    /// An empty stream.
     pub fn new() -> TextStream {
         TextStream::default()
     }

@@ -2,40 +2,15 @@
 //! template (`tokenizer_config.json` or `chat_template.jinja`), rendered with
 //! minijinja the way transformers renders it with jinja2.
 
+use crate::chat::{Message, Tool};
 use crate::error::{Error, Result};
 use minijinja::value::Value;
-use serde::Serialize;
 use std::path::Path;
 
-/// Who said a chat message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    System,
-    User,
-    Assistant,
-}
-
-/// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Message {
-    pub role: Role,
-    pub content: String,
-}
-
-impl Message {
-    pub fn system(content: impl Into<String>) -> Message {
-        Message { role: Role::System, content: content.into() }
-    }
-    pub fn user(content: impl Into<String>) -> Message {
-        Message { role: Role::User, content: content.into() }
-    }
-    pub fn assistant(content: impl Into<String>) -> Message {
-        Message { role: Role::Assistant, content: content.into() }
-    }
-}
-
 /// The tokenizer and chat template of a model folder.
+///
+/// [`Model`](crate::Model) holds one ([`Model::tokenizer`](crate::Model::tokenizer)); loading one alone
+/// ([`Tokenizer::from_dir`]) needs no weights.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
@@ -89,16 +64,25 @@ impl Tokenizer {
         t.render(messages, add_generation_prompt)
     }
 
-    /// [`Tokenizer::apply_chat_template`] with tool definitions (a JSON array
-    /// of OpenAI-style function specs), for templates that render them.
+    /// [`Tokenizer::apply_chat_template`] with tool definitions, for
+    /// templates that render them (no tools renders as without).
     pub fn apply_chat_template_with_tools(
         &self,
         messages: &[Message],
-        tools: Option<&serde_json::Value>,
+        tools: &[Tool],
         add_generation_prompt: bool,
     ) -> Result<String> {
         let t = self.template.as_ref().ok_or_else(|| Error::Template("this model has no chat template".into()))?;
         t.render_with_tools(messages, tools, add_generation_prompt)
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("chat_template", &self.template.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -107,6 +91,12 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     /// `bos_token`, `eos_token`, ... from `tokenizer_config.json`.
     special: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("special", &self.special).finish_non_exhaustive()
+    }
 }
 
 impl ChatTemplate {
@@ -164,17 +154,18 @@ impl ChatTemplate {
         Ok(ChatTemplate { env, special })
     }
 
-    /// Renders `messages`.
+    /// Renders `messages`, ending with the assistant's header when
+    /// `add_generation_prompt`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        self.render_with_tools(messages, None, add_generation_prompt)
+        self.render_with_tools(messages, &[], add_generation_prompt)
     }
 
-    /// Renders `messages` with optional tool definitions (`tools` in the
-    /// template, as transformers passes them).
+    /// Renders `messages` with tool definitions (the template's `tools`, as
+    /// transformers passes them; none are passed when `tools` is empty).
     pub fn render_with_tools(
         &self,
         messages: &[Message],
-        tools: Option<&serde_json::Value>,
+        tools: &[Tool],
         add_generation_prompt: bool,
     ) -> Result<String> {
         let tmpl = self.env.get_template("chat").map_err(|e| Error::Template(describe(&e)))?;
@@ -182,7 +173,7 @@ impl ChatTemplate {
             self.special.iter().map(|(k, v)| (k.clone(), Value::from(v.as_str()))).collect();
         ctx.insert("messages".into(), Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
-        if let Some(tools) = tools {
+        if !tools.is_empty() {
             ctx.insert("tools".into(), Value::from_serialize(tools));
         }
         tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))

@@ -52,8 +52,11 @@ impl Storage {
 /// A tensor in its stored precision, backed by a mapped file.
 #[derive(Clone)]
 pub struct Tensor {
+    /// Its name in the safetensors file.
     pub name: String,
+    /// Its type (a quantized type for ember's INT8/INT4 blocks).
     pub dtype: WeightType,
+    /// Its shape in elements.
     pub shape: Vec<usize>,
     storage: Arc<Storage>,
     start: usize,
@@ -72,6 +75,7 @@ impl Tensor {
         &self.storage.bytes()[self.start..self.start + self.len]
     }
 
+    /// Elements: the product of the shape.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -180,6 +184,16 @@ pub struct TensorStore {
     entries: HashMap<String, Entry>,
     /// Where to say a missing tensor was looked for.
     origin: PathBuf,
+}
+
+impl std::fmt::Debug for TensorStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorStore")
+            .field("origin", &self.origin)
+            .field("files", &self.files.len())
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
 }
 
 impl TensorStore {

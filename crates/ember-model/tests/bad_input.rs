@@ -179,20 +179,20 @@ fn missing_or_invalid_tokenizer() {
 fn prompt_longer_than_the_context() {
     let d = tiny_model("tiny-tied");
     let model = Model::load(d.path()).unwrap();
-    let mut s = model.session(4).unwrap();
+    let mut s = model.session_with_context(4).unwrap();
     match s.generate(&[1, 2, 3, 4, 5], GenerateOptions::default()) {
         Err(e @ Error::PromptTooLong { .. }) => assert!(e.to_string().contains("5 tokens"), "{e}"),
         other => panic!("expected PromptTooLong, got {:?}", other.err()),
     }
-    assert!(model.session(0).is_err());
-    assert!(model.session(100_000).is_err(), "beyond max_position_embeddings");
+    assert!(model.session_with_context(0).is_err());
+    assert!(model.session_with_context(100_000).is_err(), "beyond max_position_embeddings");
 }
 
 #[test]
 fn token_outside_the_vocabulary() {
     let d = tiny_model("tiny-tied");
     let model = Model::load(d.path()).unwrap();
-    let mut s = model.session(16).unwrap();
+    let mut s = model.session_with_context(16).unwrap();
     assert!(matches!(s.generate(&[5, 96], GenerateOptions::default()), Err(Error::TokenOutOfRange { id: 96, .. })));
     assert!(matches!(s.generate(&[], GenerateOptions::default()), Err(Error::EmptyPrompt)));
 }

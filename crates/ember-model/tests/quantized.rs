@@ -6,7 +6,8 @@
 mod common;
 
 use common::{fixtures, reference, Scratch};
-use ember_model::{eval, load_qwen2, Precision, Qwen2, TensorStore, WeightType};
+use ember_model::advanced::{eval, load_qwen2, Qwen2, TensorStore};
+use ember_model::{Precision, WeightType};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 
@@ -122,7 +123,7 @@ fn int4_keeps_the_chosen_matrices_at_int8() {
     assert_eq!(m.lm_head.dtype, WeightType::Int8);
     // A policy keeping nothing at INT8 rounds every matrix to INT4.
     let mut all4 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
-    all4.quantize(&ember_model::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] });
+    all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] });
     assert_eq!(all4.layers[0].mlp.down_proj.weight.dtype, WeightType::Int4);
     assert_eq!(all4.lm_head.dtype, WeightType::Int4);
 }
@@ -137,7 +138,7 @@ fn a_written_quantized_folder_loads_back_identically() {
             m.quantize(&q.into());
             let out = Scratch::new("quantized");
             let store = TensorStore::open_dir(&src).unwrap();
-            ember_model::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
+            ember_model::advanced::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
             let back = load_qwen2(out.path()).unwrap();
             assert_eq!(back.layers[1].mlp.up_proj.weight.dtype, m.layers[1].mlp.up_proj.weight.dtype);
             assert_eq!(back.layers[1].mlp.up_proj.weight.as_bytes(), m.layers[1].mlp.up_proj.weight.as_bytes());
@@ -193,7 +194,7 @@ fn bad_quantized_files_are_clear_errors() {
     ] {
         let out = Scratch::new("bad-quant");
         let store = TensorStore::open_dir(&src).unwrap();
-        ember_model::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
+        ember_model::advanced::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
         edit_header(&out.path().join("model.safetensors"), edit);
         let err = load_qwen2(out.path()).err().unwrap_or_else(|| panic!("{what}: loaded"));
         assert!(err.to_string().contains(needle), "{what}: {err}");
@@ -234,6 +235,6 @@ fn evaluation_against_itself_and_a_quantized_copy() {
     assert!(vs.kld_mean > 0.0 && vs.kld_p99 >= vs.kld_mean && vs.top1 <= 1.0);
     assert!(eval::evaluate(&base, None, &tokens[..10], 16, |_, _| {}).is_err(), "shorter than a window");
     // Token by token, a float model scores as it does batched.
-    let tbt = eval::evaluate_with(&base, Some(&base), &tokens, 16, eval::Path::TokenByToken, |_, _| {}).unwrap();
+    let tbt = eval::evaluate_with(&base, Some(&base), &tokens, 16, eval::Mode::TokenByToken, |_, _| {}).unwrap();
     assert!((tbt.ppl - own.ppl).abs() < 1e-4 * own.ppl && tbt.kld_mean < 1e-9 && tbt.top1 == 1.0);
 }

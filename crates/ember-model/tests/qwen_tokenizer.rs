@@ -4,7 +4,8 @@
 
 mod common;
 
-use ember_model::{Message, TextStream, Tokenizer};
+use ember_model::advanced::TextStream;
+use ember_model::{Message, Tokenizer};
 
 fn qwen() -> Tokenizer {
     Tokenizer::from_dir(&common::fixtures().join("qwen2.5-coder-0.5b-instruct")).unwrap()

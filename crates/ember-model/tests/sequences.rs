@@ -1,14 +1,13 @@
 //! The batch-first forward pass with several sequences: tokens of different
 //! sequences in one batch give each sequence what it gets alone, and
-//! `ember_model::step` drives several generations with one forward pass per
+//! `ember_model::advanced::step` drives several generations with one forward pass per
 //! step.
 
 mod common;
 
 use common::{reference, tiny_model};
-use ember_model::{
-    load_qwen2, step, BatchToken, Context, Decoding, Error, GenerateOptions, Model, SamplerConfig, Scratch,
-};
+use ember_model::advanced::{load_qwen2, step, BatchToken, Context, Decoding, Scratch};
+use ember_model::{Error, GenerateOptions, Model, SamplerConfig};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 
@@ -91,11 +90,11 @@ fn stepping_sequences_together_equals_each_alone() {
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let mut s = model.session(64).unwrap();
+            let mut s = model.session_with_context(64).unwrap();
             s.generate(p, options.clone()).unwrap().map(|t| t.unwrap().id).collect()
         })
         .collect();
-    let mut contexts: Vec<Context> = (0..3).map(|_| Context::new(model.qwen2.new_cache(64))).collect();
+    let mut contexts: Vec<Context> = (0..3).map(|_| Context::new(model.decoder().new_cache(64))).collect();
     let mut decodings: Vec<Decoding> =
         prompts.iter().map(|p| Decoding::new(&model, options.clone(), p.to_vec(), 0).unwrap()).collect();
     let mut together = vec![Vec::new(); 3];

@@ -4,7 +4,8 @@
 mod common;
 
 use common::{reference, tiny_model};
-use ember_model::{load_qwen2, GenerateOptions, Model, SamplerConfig};
+use ember_model::advanced::load_qwen2;
+use ember_model::{GenerateOptions, Model, SamplerConfig};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 /// Largest allowed |ember - transformers| of any logit.
@@ -41,7 +42,7 @@ fn greedy_generation_matches_transformers() {
         let r = reference(variant);
         let dir = tiny_model(variant);
         let model = Model::load(dir.path()).unwrap();
-        let mut session = model.session(64).unwrap();
+        let mut session = model.session_with_context(64).unwrap();
         let options = greedy(r.greedy_ids.len());
         let ids: Vec<u32> = session.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
         assert_eq!(ids, r.greedy_ids, "{variant}");
@@ -56,7 +57,7 @@ fn a_session_continues_where_it_left_off() {
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
 
-    let mut s = model.session(128).unwrap();
+    let mut s = model.session_with_context(128).unwrap();
     let first: Vec<u32> = s.generate(&r.ids[..10], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
     let mut g = s.generate(&r.ids[10..], greedy(4)).unwrap();
     let second: Vec<u32> = (&mut g).map(|t| t.unwrap().id).collect();
@@ -66,7 +67,7 @@ fn a_session_continues_where_it_left_off() {
     let mut joined: Vec<u32> = r.ids[..10].to_vec();
     joined.extend(&first);
     joined.extend(&r.ids[10..]);
-    let mut fresh = model.session(128).unwrap();
+    let mut fresh = model.session_with_context(128).unwrap();
     let again: Vec<u32> = fresh.generate(&joined, greedy(4)).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(second, again);
 }
@@ -78,7 +79,7 @@ fn seeded_sampling_is_reproducible() {
     let run = |seed| {
         let sampler = SamplerConfig { temperature: 0.9, top_k: 40, top_p: 0.95, seed, ..Default::default() };
         let options = GenerateOptions { max_tokens: 24, sampler, stop_at_eos: false, ..Default::default() };
-        let mut s = model.session(64).unwrap();
+        let mut s = model.session_with_context(64).unwrap();
         s.generate(&[17, 42, 5], options).unwrap().map(|t| t.unwrap().id).collect::<Vec<u32>>()
     };
     assert_eq!(run(7), run(7));
@@ -100,7 +101,7 @@ fn stops_on_eos_from_generation_config() {
 fn generation_ends_when_the_context_is_full() {
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let mut s = model.session(8).unwrap();
+    let mut s = model.session_with_context(8).unwrap();
     let options = greedy(100);
     let mut g = s.generate(&[17, 42, 5], options).unwrap();
     let tokens: Vec<_> = (&mut g).collect::<Result<_, _>>().unwrap();
@@ -159,7 +160,7 @@ fn sessions_prefill_in_chunks() {
     let dir = tiny_model("tiny-untied");
     let model = Model::load(dir.path()).unwrap();
     for chunk in [1, 4, 512] {
-        let mut s = model.session(64).unwrap();
+        let mut s = model.session_with_context(64).unwrap();
         s.set_prefill_chunk(chunk);
         let options = greedy(r.greedy_ids.len());
         let ids: Vec<u32> = s.generate(&r.ids, options).unwrap().map(|t| t.unwrap().id).collect();
@@ -182,16 +183,17 @@ fn stop_strings_end_generation_before_the_string() {
         sampler: SamplerConfig::greedy(),
         stop_at_eos: false,
         stop_strings: stop,
+        ..Default::default()
     };
     // Without stop strings: the full greedy text.
-    let mut s = model.session(64).unwrap();
+    let mut s = model.session_with_context(64).unwrap();
     let full: String = s.generate(&r.ids, greedy(vec![])).unwrap().map(|t| t.unwrap().text).collect();
     assert_eq!(full.trim(), words(&r.greedy_ids));
     // Stop at the 4th generated word: the text ends just before it, and the
     // pieces streamed never include any of it.
     let target = format!("w{}", r.greedy_ids[3]);
     let expected_end = full.find(&format!(" {target}")).map(|i| i + 1).unwrap_or_else(|| full.find(&target).unwrap());
-    let mut s = model.session(64).unwrap();
+    let mut s = model.session_with_context(64).unwrap();
     let mut g = s.generate(&r.ids, greedy(vec![target.clone(), "never-appears".into()])).unwrap();
     let mut text = String::new();
     for t in &mut g {
@@ -207,7 +209,7 @@ fn generate_from_reuses_the_common_prefix() {
     let r = reference("tiny-tied");
     let dir = tiny_model("tiny-tied");
     let model = Model::load(dir.path()).unwrap();
-    let mut s = model.session(128).unwrap();
+    let mut s = model.session_with_context(128).unwrap();
     let first: Vec<u32> = s.generate_from(&r.ids[..12], greedy(3)).unwrap().map(|t| t.unwrap().id).collect();
     // The next "turn" shares the first 10 tokens, then differs.
     let mut all = r.ids[..10].to_vec();
@@ -217,7 +219,7 @@ fn generate_from_reuses_the_common_prefix() {
     assert_eq!(g.stats().reused_tokens, 10);
     assert_eq!(g.stats().prompt_tokens, 4);
     drop(g);
-    let mut fresh = model.session(128).unwrap();
+    let mut fresh = model.session_with_context(128).unwrap();
     let again: Vec<u32> = fresh.generate(&all, greedy(4)).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(second, again);
     assert_eq!(first.len(), 3);

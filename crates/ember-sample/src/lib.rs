@@ -94,6 +94,8 @@
 //! # Ok::<(), ember_sample::SamplerError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
 mod rng;
 mod sampler;

@@ -1,0 +1,340 @@
+//! A loaded model folder ([`Model`]) and how it is loaded ([`ModelBuilder`]).
+
+use crate::chat::{Message, Tool};
+use crate::config::{eos_ids, Config, GenerationConfig};
+use crate::error::{Error, Result};
+use crate::generate::{Context, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use crate::qwen2::{QuantPolicy, Qwen2};
+use crate::session::Session;
+use crate::tokenizer::Tokenizer;
+use crate::weights::TensorStore;
+use ember_kernels::{pool, Precision, WeightType};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A model folder, loaded: weights, tokenizer, chat template and generation
+/// defaults. Immutable once loaded, `Send` and `Sync`, and handed out as an
+/// `Arc<Model>` that any number of [`Session`]s (on any threads) share.
+///
+/// ```
+/// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tiny-chat");
+/// use ember_model::{Message, Model};
+///
+/// let model = Model::load(dir)?; // an Arc<Model>
+/// let prompt = model.chat_prompt(&[Message::user("what is the capital of france ?")])?;
+/// let ids = model.encode(&prompt)?;
+/// assert!(model.decode(&ids)?.contains("capital"));
+/// # Ok::<(), ember_model::Error>(())
+/// ```
+pub struct Model {
+    qwen2: Qwen2,
+    tokenizer: Tokenizer,
+    generation_config: GenerationConfig,
+    eos: Vec<u32>,
+    dir: PathBuf,
+    /// Context of the sessions [`Model::session`] opens.
+    context: usize,
+    /// Their prompt tokens per forward pass.
+    prefill_chunk: usize,
+}
+
+/// How to load a model: [`Model::builder`], the settings, then
+/// [`ModelBuilder::load`].
+///
+/// ```
+/// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tiny-chat");
+/// use ember_model::{Model, Precision, WeightType};
+///
+/// let model = Model::builder(dir)
+///     .quantize(WeightType::Int8) // quantize the matrices at load
+///     .precision(Precision::Exact) // f32-class prompt products
+///     .context(128)               // tokens per session (capped at the model's maximum)
+///     .load()?;
+/// assert_eq!(model.context(), 128);
+/// assert_eq!(model.weight_type(), WeightType::Int8);
+/// # Ok::<(), ember_model::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct ModelBuilder {
+    dir: PathBuf,
+    quantize: Option<QuantPolicy>,
+    threads: Option<usize>,
+    context: usize,
+    prefill_chunk: usize,
+    precision: Precision,
+}
+
+impl ModelBuilder {
+    /// Quantizes the weight matrices at load: [`WeightType::Int8`] or
+    /// [`WeightType::Int4`] (with INT4 the embedding / LM head and the k, v,
+    /// o and down projections stay at INT8, the measured default), or a
+    /// [`QuantPolicy`](crate::advanced::QuantPolicy) saying which matrix gets
+    /// which type. About a second (INT8) to seven (INT4) for a 0.5B model; a
+    /// folder written quantized (`ember quantize`) loads as it is stored.
+    pub fn quantize(mut self, policy: impl Into<QuantPolicy>) -> Self {
+        self.quantize = Some(policy.into());
+        self
+    }
+
+    /// Worker threads for the matrix products (default: the physical CPU
+    /// cores). The pool is process-wide and sized once: loading fails with
+    /// [`Error::Threads`] if it already runs another number.
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = Some(threads);
+        self
+    }
+
+    /// Tokens of context (prompt and output, the whole conversation) of the
+    /// sessions [`Model::session`] opens; default [`DEFAULT_CONTEXT`], capped
+    /// at the model's `max_position_embeddings`. The KV cache is reserved at
+    /// this size but only the positions used take memory.
+    pub fn context(mut self, tokens: usize) -> Self {
+        self.context = tokens;
+        self
+    }
+
+    /// Prompt tokens per forward pass of those sessions (default
+    /// [`DEFAULT_PREFILL_CHUNK`]; 1 = token by token). Scratch memory grows
+    /// with it (about 45 KB per token for the 0.5B model).
+    pub fn prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens;
+        self
+    }
+
+    /// How the matrix products of a prompt (and of several sequences
+    /// decoding together) round their activations: [`Precision::Fast`] (the
+    /// default: narrower products where the CPU multiplies them faster, with
+    /// a measured cost) or [`Precision::Exact`] (f32-class). Decoding one
+    /// token at a time is the same either way.
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// Loads the folder: `config.json`, the safetensors weights
+    /// (memory-mapped, in their stored precision), `tokenizer.json`, the chat
+    /// template and `generation_config.json`. Errors name the file, tensor or
+    /// field at fault.
+    pub fn load(self) -> Result<Arc<Model>> {
+        if self.context == 0 {
+            return Err(Error::Option("a context of 0 tokens holds nothing; it must be at least 1".into()));
+        }
+        if self.prefill_chunk == 0 {
+            return Err(Error::Option("the prefill chunk must be at least 1 token".into()));
+        }
+        let dir = self.dir.as_path();
+        if !dir.is_dir() {
+            return Err(Error::MissingModelDir(dir.to_path_buf()));
+        }
+        init_threads(self.threads)?;
+        let mut qwen2 = load_qwen2(dir)?;
+        if let Some(policy) = &self.quantize {
+            qwen2.quantize(policy);
+        }
+        qwen2.precision = self.precision;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
+        let eos = eos_ids(&qwen2.config, &generation_config);
+        let context = self.context.min(qwen2.config.max_position_embeddings);
+        Ok(Arc::new(Model {
+            qwen2,
+            tokenizer,
+            generation_config,
+            eos,
+            dir: dir.to_path_buf(),
+            context,
+            prefill_chunk: self.prefill_chunk,
+        }))
+    }
+}
+
+impl Model {
+    /// Loads a model folder with the default settings ([`Model::builder`]
+    /// to choose them).
+    pub fn load(dir: impl AsRef<Path>) -> Result<Arc<Model>> {
+        Model::builder(dir).load()
+    }
+
+    /// A [`ModelBuilder`] for the folder `dir` (HuggingFace layout).
+    pub fn builder(dir: impl AsRef<Path>) -> ModelBuilder {
+        ModelBuilder {
+            dir: dir.as_ref().to_path_buf(),
+            quantize: None,
+            threads: None,
+            context: DEFAULT_CONTEXT,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            precision: Precision::default(),
+        }
+    }
+
+    /// The hyper-parameters from `config.json`.
+    pub fn config(&self) -> &Config {
+        &self.qwen2.config
+    }
+
+    /// The defaults from `generation_config.json` (empty if the file is
+    /// absent); [`GenerateOptions::from_model`](crate::GenerateOptions::from_model)
+    /// turns them into sampler settings.
+    pub fn generation_config(&self) -> &GenerationConfig {
+        &self.generation_config
+    }
+
+    /// The tokenizer and chat template.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The folder the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The ids generation stops on: `generation_config.json`'s
+    /// `eos_token_id`, else `config.json`'s.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// The context of the sessions [`Model::session`] opens.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// The prompt tokens per forward pass of new sessions.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// The precision of batched products ([`ModelBuilder::precision`]).
+    pub fn precision(&self) -> Precision {
+        self.qwen2.precision
+    }
+
+    /// The weight type of the MLP's gate projection, as representative of
+    /// the model's matrices: the stored type, or the quantized one.
+    pub fn weight_type(&self) -> WeightType {
+        self.qwen2.layers.first().map_or(self.qwen2.lm_head.dtype, |l| l.mlp.gate_proj.weight.dtype)
+    }
+
+    /// Threads of the worker pool the forward passes run on.
+    pub fn threads(&self) -> usize {
+        pool::global().threads()
+    }
+
+    /// Token ids of `text` (special tokens written in it, such as
+    /// `<|im_start|>`, are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text)
+    }
+
+    /// The text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true)
+    }
+
+    /// The prompt for a chat: the model's template applied to `messages`,
+    /// ending with the assistant's turn header.
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<String> {
+        self.tokenizer.apply_chat_template(messages, true)
+    }
+
+    /// [`Model::chat_prompt`] with tools the model may call: the template
+    /// describes them and how to call them (for Qwen2.5, a
+    /// `<tool_call>{json}</tool_call>` block, which
+    /// [`Message::parse_assistant`] reads back).
+    pub fn chat_prompt_with_tools(&self, messages: &[Message], tools: &[Tool]) -> Result<String> {
+        self.tokenizer.apply_chat_template_with_tools(messages, tools, true)
+    }
+
+    /// A new, empty conversation with [`Model::context`] tokens of room.
+    pub fn session(self: &Arc<Self>) -> Session {
+        Session::with_context(Arc::clone(self), Context::new(self.qwen2.new_cache(self.context)))
+    }
+
+    /// A new conversation with room for `context` tokens (at most the
+    /// model's `max_position_embeddings`).
+    pub fn session_with_context(self: &Arc<Self>, context: usize) -> Result<Session> {
+        let max = self.config().max_position_embeddings;
+        if context == 0 || context > max {
+            return Err(Error::Option(format!(
+                "context must be between 1 and the model's {max} tokens, not {context}"
+            )));
+        }
+        Ok(Session::with_context(Arc::clone(self), Context::new(self.qwen2.new_cache(context))))
+    }
+
+    /// The decoder itself, for the multi-sequence API
+    /// ([`advanced`](crate::advanced)).
+    pub fn decoder(&self) -> &Qwen2 {
+        &self.qwen2
+    }
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = self.config();
+        f.debug_struct("Model")
+            .field("dir", &self.dir)
+            .field("layers", &c.num_hidden_layers)
+            .field("hidden_size", &c.hidden_size)
+            .field("vocab_size", &c.vocab_size)
+            .field("weight_type", &self.weight_type())
+            .field("precision", &self.precision())
+            .field("context", &self.context)
+            .field("eos_token_ids", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Loads just the decoder (config and weights) from a folder: no tokenizer.
+pub fn load_qwen2(dir: &Path) -> Result<Qwen2> {
+    if !dir.is_dir() {
+        return Err(Error::MissingModelDir(dir.to_path_buf()));
+    }
+    let config = Config::from_file(&dir.join("config.json"))?;
+    let store = TensorStore::open_dir(dir)?;
+    Qwen2::from_store(config, &store)
+}
+
+/// Sizes the process-wide worker pool the kernels run on, once: `threads`,
+/// or by default the physical CPU cores ([`physical_cores`]). Returns the
+/// pool's size. Asking for another size than a running pool's is
+/// [`Error::Threads`]; with `None`, a running pool is kept as it is.
+pub fn init_threads(threads: Option<usize>) -> Result<usize> {
+    match threads {
+        Some(0) => Err(Error::Option("the worker pool needs at least 1 thread".into())),
+        Some(n) if !pool::init_global(n) => Err(Error::Threads { requested: n, running: pool::global().threads() }),
+        Some(n) => Ok(n),
+        None => {
+            pool::init_global(physical_cores());
+            Ok(pool::global().threads())
+        }
+    }
+}
+
+/// Physical cores this process may use: hyper-threads share a core's memory
+/// bandwidth and FMA units, so decoding gains nothing from them. Counted from
+/// Linux's CPU topology, capped by the CPUs the process may run on (elsewhere:
+/// the CPUs it may run on).
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut cores = std::collections::HashSet::new();
+    if let Ok(entries) = std::fs::read_dir("/sys/devices/system/cpu") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.strip_prefix("cpu").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
+                continue;
+            }
+            let topo = e.path().join("topology");
+            let read = |f: &str| std::fs::read_to_string(topo.join(f)).ok().map(|s| s.trim().to_string());
+            if let (Some(pkg), Some(core)) = (read("physical_package_id"), read("core_id")) {
+                cores.insert((pkg, core));
+            }
+        }
+    }
+    match cores.len() {
+        0 => logical,
+        n => n.min(logical),
+    }
+}
