@@ -4,10 +4,11 @@
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
 //!    said so), so every SIMD kernel and the whole model run under each;
-//! 3. `cargo xtask parity` on the real model;
-//! 4. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model;
-//! 5. `cargo xtask readme`: the README's library example in a fresh project;
-//! 6. `cargo xtask package`: the library crates packaged, and their packaged
+//! 3. `cargo rustdoc -- -D missing-docs` on the three library crates;
+//! 4. `cargo xtask parity` on the real model;
+//! 5. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model;
+//! 6. `cargo xtask readme`: the README's library example in a fresh project;
+//! 7. `cargo xtask package`: the library crates packaged, and their packaged
 //!    tests run from the packages alone.
 
 use anyhow::{bail, Context, Result};
@@ -36,6 +37,17 @@ pub fn run(args: &[String]) -> Result<()> {
             .context("running cargo test")?;
         if !status.success() {
             bail!("cargo test --workspace failed with EMBER_ISA={tier}");
+        }
+    }
+    for krate in ["ember-kernels", "ember-sample", "ember-model"] {
+        eprintln!("xtask test: every public item of {krate} documented");
+        let status = Command::new(&cargo)
+            .current_dir(crate::root())
+            .args(["rustdoc", "-p", krate, "--", "-D", "missing-docs"])
+            .status()
+            .context("running cargo rustdoc")?;
+        if !status.success() {
+            bail!("{krate} has undocumented public items (cargo rustdoc -p {krate} -- -D missing-docs)");
         }
     }
     crate::parity::run(&[])?;

@@ -23,8 +23,11 @@ use std::cell::RefCell;
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
+    /// Query heads.
     pub n_heads: usize,
+    /// Key/value heads (each serves `n_heads / n_kv_heads` query heads).
     pub n_kv_heads: usize,
+    /// Dimensions per head.
     pub head_dim: usize,
 }
 

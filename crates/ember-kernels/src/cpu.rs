@@ -43,18 +43,31 @@ use std::sync::OnceLock;
 pub struct Features(u32);
 
 impl Features {
+    /// No features.
     pub const NONE: Features = Features(0);
+    /// AVX2 (256-bit integer and float vectors).
     pub const AVX2: Features = Features(1 << 0);
+    /// Fused multiply-add (FMA3).
     pub const FMA: Features = Features(1 << 1);
+    /// F16 ↔ f32 conversions (F16C).
     pub const F16C: Features = Features(1 << 2);
+    /// AVX-512 Foundation (512-bit vectors, mask registers).
     pub const AVX512F: Features = Features(1 << 3);
+    /// AVX-512 byte and word instructions.
     pub const AVX512BW: Features = Features(1 << 4);
+    /// AVX-512 instructions on 128- and 256-bit vectors.
     pub const AVX512VL: Features = Features(1 << 5);
+    /// BF16 dot products (`vdpbf16ps`) and conversions.
     pub const AVX512_BF16: Features = Features(1 << 6);
+    /// Byte dot products into i32 on AVX-512 vectors (`vpdpbusd`).
     pub const AVX512_VNNI: Features = Features(1 << 7);
+    /// Byte dot products into i32 on 256-bit vectors, VEX-encoded (AVX-VNNI).
     pub const AVX_VNNI: Features = Features(1 << 8);
+    /// AMX tile registers (and the OS allowing their state).
     pub const AMX_TILE: Features = Features(1 << 9);
+    /// AMX BF16 tile products.
     pub const AMX_BF16: Features = Features(1 << 10);
+    /// AMX INT8 tile products.
     pub const AMX_INT8: Features = Features(1 << 11);
 
     /// Every feature with its `EMBER_ISA` name.
@@ -73,10 +86,12 @@ impl Features {
         ("amx-int8", Features::AMX_INT8),
     ];
 
+    /// The features in either set.
     pub const fn union(self, other: Features) -> Features {
         Features(self.0 | other.0)
     }
 
+    /// The features in both sets.
     pub const fn intersection(self, other: Features) -> Features {
         Features(self.0 & other.0)
     }
@@ -247,10 +262,12 @@ impl Isa {
         *ACTIVE.get_or_init(|| Isa { tier: Tier::best_for(Isa::features()) })
     }
 
+    /// The tier this `Isa` proves the CPU runs.
     pub fn tier(self) -> Tier {
         self.tier
     }
 
+    /// The tier's name (`avx2`, `avx512bf16`, ...).
     pub fn name(self) -> &'static str {
         self.tier.name()
     }

@@ -49,6 +49,7 @@ pub fn bf16_bits(x: f32) -> u16 {
     (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
+/// A BF16 value from its bits, as f32 (exact).
 #[inline]
 pub fn bf16_value(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)

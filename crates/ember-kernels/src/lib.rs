@@ -32,6 +32,7 @@
 //! Every SIMD kernel has a portable scalar twin with the same signature; tests
 //! pin each fast kernel to its twin under every tier the machine supports.
 
+#![warn(missing_docs)]
 pub mod amx;
 pub mod attention;
 pub mod bandwidth;

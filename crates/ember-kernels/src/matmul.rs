@@ -327,6 +327,7 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Both precisions, exact first.
     pub const ALL: [Precision; 2] = [Precision::Exact, Precision::Fast];
 
     /// The name `--precision` takes.
@@ -337,6 +338,7 @@ impl Precision {
         }
     }
 
+    /// The precision named `exact` or `fast`.
     pub fn from_name(s: &str) -> Option<Precision> {
         Precision::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s))
     }

@@ -295,6 +295,7 @@ unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
 unsafe impl<T: Send> Send for SharedMut<'_, T> {}
 
 impl<'a, T> SharedMut<'a, T> {
+    /// Wraps `slice` for disjoint writes from several threads.
     pub fn new(slice: &'a mut [T]) -> Self {
         SharedMut { ptr: slice.as_mut_ptr(), len: slice.len(), _life: std::marker::PhantomData }
     }

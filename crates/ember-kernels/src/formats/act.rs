@@ -11,14 +11,18 @@ pub const QK_A8: usize = 32;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct BlockA8 {
+    /// The scale: activation `j` is `d · qs[j]`.
     pub d: f32,
+    /// The sum of the codes, `Σ qs[j]`.
     pub sum: i32,
+    /// The 32 codes, in −127..=127.
     pub qs: [i8; QK_A8],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockA8>() == 40);
 
 impl BlockA8 {
+    /// A block of zeros.
     pub const ZERO: BlockA8 = BlockA8 { d: 0.0, sum: 0, qs: [0; QK_A8] };
 }
 

@@ -27,13 +27,16 @@ const QK: usize = QK4;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct BlockQ4 {
+    /// The scale.
     pub d: f16,
+    /// Byte `i`: weight `i` in the low nibble, weight `i + 16` in the high one.
     pub qs: [u8; QK4 / 2],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ4>() == 18 && std::mem::align_of::<BlockQ4>() == 2);
 
 impl BlockQ4 {
+    /// A block of zeros (every nibble 8).
     pub const ZERO: BlockQ4 = BlockQ4 { d: f16::ZERO, qs: [0x88; QK4 / 2] };
 }
 

@@ -18,13 +18,16 @@ const _: () = assert!(QK8 == QK_A8, "INT8 blocks pair with activation blocks of 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct BlockQ8 {
+    /// The scale.
     pub d: f16,
+    /// The 32 codes: weight `j` is `d · qs[j]`.
     pub qs: [i8; QK8],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ8>() == 34 && std::mem::align_of::<BlockQ8>() == 2);
 
 impl BlockQ8 {
+    /// A block of zeros.
     pub const ZERO: BlockQ8 = BlockQ8 { d: f16::ZERO, qs: [0; QK8] };
 }
 

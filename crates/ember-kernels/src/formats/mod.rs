@@ -42,8 +42,11 @@ use crate::cpu::{Isa, Tier};
 /// Every weight type ember computes with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightType {
+    /// f32 weights.
     F32,
+    /// BF16 weights (the upper half of an f32).
     Bf16,
+    /// IEEE F16 weights.
     F16,
     /// ember's INT8 blocks ([`BlockQ8`]).
     Int8,
@@ -113,10 +116,15 @@ pub(crate) use with_weights;
 /// Row-major weights in their stored type, borrowed.
 #[derive(Clone, Copy, Debug)]
 pub enum Weights<'a> {
+    /// f32 weights.
     F32(&'a [f32]),
+    /// BF16 weights.
     Bf16(&'a [bf16]),
+    /// F16 weights.
     F16(&'a [f16]),
+    /// ember's INT8 blocks.
     Int8(&'a [BlockQ8]),
+    /// ember's INT4 blocks.
     Int4(&'a [BlockQ4]),
 }
 
@@ -178,8 +186,11 @@ pub trait Format: Sized + 'static {
 /// (INT8: 0..=255 about 128, INT4: 0..=15 about 8), so `u − offset` is an i8.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Codes {
+    /// The block's scale.
     pub d: f32,
+    /// The 32 unsigned codes, weight `j` in `u[j]`.
     pub u: [u8; QK_A8],
+    /// The code that means zero.
     pub offset: i32,
 }
 
@@ -228,6 +239,7 @@ pub enum ActType {
 
 /// An activation format: how a row's dot product reads the input vector.
 pub trait Activation: Copy + Send + Sync + 'static {
+    /// Which format this is.
     const TYPE: ActType;
     /// Inputs per element.
     const BLOCK_LEN: usize;
@@ -255,7 +267,9 @@ impl Activation for BlockA8 {
 /// others empty): quantized once per mat-vec, read by every row and thread.
 #[derive(Clone, Copy)]
 pub struct Acts<'a> {
+    /// The activations as f32 `(cols,)`.
     pub f32: &'a [f32],
+    /// The activations as int8 blocks `(cols / 32,)`, or empty when no matrix reads them.
     pub a8: &'a [BlockA8],
 }
 
@@ -329,6 +343,7 @@ impl<'a> Weights<'a> {
         with_weights!(*self, |F, d| bytemuck::cast_slice::<<F as Format>::Block, u8>(d))
     }
 
+    /// The weight type of this slice.
     pub fn ty(&self) -> WeightType {
         with_weights!(self, |F, _d| F::TYPE)
     }
@@ -338,6 +353,7 @@ impl<'a> Weights<'a> {
         with_weights!(self, |F, d| d.len() * F::BLOCK_LEN)
     }
 
+    /// Whether there are no weights.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -358,8 +374,11 @@ impl<'a> Weights<'a> {
 /// A borrowed matrix `(rows, cols)`, row-major, rows whole blocks.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
+    /// The weights, row after row.
     pub weights: Weights<'a>,
+    /// Rows (outputs of a product).
     pub rows: usize,
+    /// Columns (inputs of a product), whole blocks.
     pub cols: usize,
 }
 
