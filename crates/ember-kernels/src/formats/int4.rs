@@ -95,9 +95,14 @@ impl Format for Int4 {
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::AvxVnni => {
-                use super::int_avx2 as k;
-                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: k::dequantize_q4 }
+            Tier::Avx2 => {
+                use super::int_avx2::pairs::avx2 as k;
+                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::AvxVnni => {
+                use super::int_avx2::pairs::vnni as k;
+                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => {
