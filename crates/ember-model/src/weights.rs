@@ -310,7 +310,7 @@ impl TensorStore {
         for (hf, t) in crate::gguf::hf_names(&g) {
             let dtype = t.ty.weight_type().ok_or_else(|| t.ty.name().to_string());
             let start = (g.header.data_start + t.offset) as usize;
-            misaligned |= dtype.as_ref().is_ok_and(|d| start % d.align() != 0);
+            misaligned |= dtype.as_ref().is_ok_and(|d| !start.is_multiple_of(d.align()));
             let entry = Entry {
                 file: 0,
                 stored_name: Some(t.name.clone()),

@@ -75,7 +75,7 @@ impl Writer {
             offsets.push(offset);
             offset = (offset + data.len() as u64).next_multiple_of(self.alignment);
         }
-        while b.len() as u64 % self.alignment != 0 {
+        while !(b.len() as u64).is_multiple_of(self.alignment) {
             b.push(0);
         }
         let start = b.len();
@@ -150,7 +150,7 @@ fn reads_every_value_type_and_tensor_infos() {
         names,
         [("a", GgmlType(0), 32, vec![2, 4]), ("q", GgmlType(8), 34, vec![1, 32]), ("b", GgmlType(1), 6, vec![3])]
     );
-    assert!(h.tensors.iter().all(|t| (h.data_start + t.offset) % 32 == 0));
+    assert!(h.tensors.iter().all(|t| (h.data_start + t.offset).is_multiple_of(32)));
     // Version 2 has the same layout.
     let mut v2 = sample();
     v2.version = 2;
