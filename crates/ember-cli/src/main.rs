@@ -80,7 +80,7 @@ fn hint(e: &anyhow::Error) -> &'static str {
     }
 }
 
-/// The model folder: `--model`, else the folder `cargo xtask fetch` fills.
+/// The model folder or GGUF file: `--model`, else the folder `cargo xtask fetch` fills.
 pub(crate) fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
     match arg {
         Some(dir) => Ok(dir),

@@ -72,6 +72,38 @@ pub enum Error {
         message: String,
     },
 
+    /// A GGUF file is truncated or malformed, or lacks a metadata key ember
+    /// needs.
+    #[error("{}: invalid GGUF file: {message}", path.display())]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        message: String,
+    },
+
+    /// A GGUF tensor the model needs is stored in a ggml type ember does not
+    /// compute with yet.
+    #[error("{}: tensor `{name}` has GGUF type {ty}; ember runs F32, F16, BF16, Q8_0 and Q4_0 so far", path.display())]
+    GgufType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file (llama.cpp's).
+        name: String,
+        /// ggml's name of its type (`Q4_K`, ...).
+        ty: String,
+    },
+
+    /// A path given as a model is neither a folder nor a `.gguf` file, or a
+    /// folder holds several `.gguf` files and no `config.json`.
+    #[error("{}: {message}", path.display())]
+    ModelPath {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+
     /// A tensor the config calls for is not in the weights.
     #[error("{}: tensor `{name}` is missing", path.display())]
     MissingTensor {

@@ -226,6 +226,8 @@ mod config;
 mod error;
 mod eval;
 mod generate;
+mod gguf;
+mod gguf_tokenizer;
 mod kv_cache;
 mod model;
 mod options;
@@ -306,6 +308,14 @@ pub mod advanced {
     /// sequences decoding together, and the memory read bandwidth.
     pub mod bench {
         pub use crate::bench::*;
+    }
+
+    /// GGUF files (llama.cpp's format): the reader, its metadata values and
+    /// tensor infos, and llama.cpp's tensor names.
+    pub mod gguf {
+        pub use crate::gguf::{
+            gguf_name, hf_name, Array, GgmlType, Gguf, Header, TensorInfo, Value, DEFAULT_ALIGNMENT, MAX_DIMS,
+        };
     }
 
     /// Quality of a model variant on a text, llama-perplexity style:

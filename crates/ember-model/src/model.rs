@@ -3,6 +3,7 @@
 use crate::chat::{Message, Tool};
 use crate::config::{eos_ids, Config, GenerationConfig};
 use crate::error::{Error, Result};
+use crate::gguf::Gguf;
 use crate::generate::{Context, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
 use crate::qwen2::{QuantPolicy, Qwen2};
 use crate::session::Session;
@@ -114,8 +115,10 @@ impl ModelBuilder {
 
     /// Loads the folder: `config.json`, the safetensors weights
     /// (memory-mapped, in their stored precision), `tokenizer.json`, the chat
-    /// template and `generation_config.json`. Errors name the file, tensor or
-    /// field at fault.
+    /// template and `generation_config.json`. Or a GGUF file (the path of a
+    /// `.gguf` file, or of a folder holding exactly one and no
+    /// `config.json`): hyper-parameters, weights, tokenizer and chat template
+    /// all from the file. Errors name the file, tensor or field at fault.
     pub fn load(self) -> Result<Arc<Model>> {
         if self.context == 0 {
             return Err(Error::Option("a context of 0 tokens holds nothing; it must be at least 1".into()));
@@ -124,25 +127,36 @@ impl ModelBuilder {
             return Err(Error::Option("the prefill chunk must be at least 1 token".into()));
         }
         let dir = self.dir.as_path();
-        if !dir.is_dir() {
-            return Err(Error::MissingModelDir(dir.to_path_buf()));
-        }
+        let source = Source::resolve(dir)?;
         init_threads(self.threads)?;
-        let mut qwen2 = load_qwen2(dir)?;
+        let (mut qwen2, tokenizer, generation_config, eos) = match &source {
+            Source::Folder(dir) => {
+                let qwen2 = load_qwen2(dir)?;
+                let tokenizer = Tokenizer::from_dir(dir)?;
+                let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
+                let eos = eos_ids(&qwen2.config, &generation_config);
+                (qwen2, tokenizer, generation_config, eos)
+            }
+            Source::Gguf(file) => {
+                let g = Gguf::open(file)?;
+                let tokenizer = Tokenizer::from_gguf(&g)?;
+                let eos = crate::gguf::eos_ids(&g);
+                let config = crate::gguf::qwen2_config(&g)?;
+                let qwen2 = Qwen2::from_store(config, &TensorStore::open_gguf(g)?)?;
+                (qwen2, tokenizer, GenerationConfig::default(), eos)
+            }
+        };
         if let Some(policy) = &self.quantize {
             qwen2.quantize(policy);
         }
         qwen2.precision = self.precision;
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        let generation_config = GenerationConfig::from_file(&dir.join("generation_config.json"))?;
-        let eos = eos_ids(&qwen2.config, &generation_config);
         let context = self.context.min(qwen2.config.max_position_embeddings);
         Ok(Arc::new(Model {
             qwen2,
             tokenizer,
             generation_config,
             eos,
-            dir: dir.to_path_buf(),
+            dir: source.path().to_path_buf(),
             context,
             prefill_chunk: self.prefill_chunk,
         }))
@@ -156,7 +170,8 @@ impl Model {
         Model::builder(dir).load()
     }
 
-    /// A [`ModelBuilder`] for the folder `dir` (HuggingFace layout).
+    /// A [`ModelBuilder`] for the folder `dir` (HuggingFace layout), or a
+    /// GGUF file (see [`ModelBuilder::load`]).
     pub fn builder(dir: impl AsRef<Path>) -> ModelBuilder {
         ModelBuilder {
             dir: dir.as_ref().to_path_buf(),
@@ -185,7 +200,7 @@ impl Model {
         &self.tokenizer
     }
 
-    /// The folder the model was loaded from.
+    /// The folder the model was loaded from (the file, for a GGUF model).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -287,14 +302,76 @@ impl fmt::Debug for Model {
     }
 }
 
-/// Loads just the decoder (config and weights) from a folder: no tokenizer.
+/// Loads just the decoder (config and weights) from a folder or a GGUF file
+/// (as [`ModelBuilder::load`] finds one): no tokenizer.
 pub fn load_qwen2(dir: &Path) -> Result<Qwen2> {
-    if !dir.is_dir() {
-        return Err(Error::MissingModelDir(dir.to_path_buf()));
+    match Source::resolve(dir)? {
+        Source::Folder(dir) => {
+            let config = Config::from_file(&dir.join("config.json"))?;
+            let store = TensorStore::open_dir(&dir)?;
+            Qwen2::from_store(config, &store)
+        }
+        Source::Gguf(file) => {
+            let g = Gguf::open(&file)?;
+            let config = crate::gguf::qwen2_config(&g)?;
+            Qwen2::from_store(config, &TensorStore::open_gguf(g)?)
+        }
     }
-    let config = Config::from_file(&dir.join("config.json"))?;
-    let store = TensorStore::open_dir(dir)?;
-    Qwen2::from_store(config, &store)
+}
+
+/// Where a model is: a HuggingFace folder or a GGUF file.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Source {
+    Folder(PathBuf),
+    Gguf(PathBuf),
+}
+
+impl Source {
+    /// A `.gguf` file is GGUF; a folder with `config.json` is a HuggingFace
+    /// folder; a folder without one but with exactly one `.gguf` file is
+    /// that file (several are an error: which one is meant?); any other
+    /// folder is a HuggingFace folder (whose loading says what is missing).
+    pub(crate) fn resolve(path: &Path) -> Result<Source> {
+        let is_gguf = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if path.is_file() {
+            return match is_gguf(path) {
+                true => Ok(Source::Gguf(path.to_path_buf())),
+                false => Err(Error::ModelPath {
+                    path: path.to_path_buf(),
+                    message: "not a model: expected a folder in HuggingFace layout or a .gguf file".into(),
+                }),
+            };
+        }
+        if !path.is_dir() {
+            return Err(Error::MissingModelDir(path.to_path_buf()));
+        }
+        if path.join("config.json").is_file() {
+            return Ok(Source::Folder(path.to_path_buf()));
+        }
+        let entries = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?;
+        let mut ggufs: Vec<PathBuf> =
+            entries.flatten().map(|e| e.path()).filter(|p| p.is_file() && is_gguf(p)).collect();
+        ggufs.sort();
+        match ggufs.len() {
+            0 => Ok(Source::Folder(path.to_path_buf())),
+            1 => Ok(Source::Gguf(ggufs.remove(0))),
+            _ => Err(Error::ModelPath {
+                path: path.to_path_buf(),
+                message: format!(
+                    "holds {} .gguf files and no config.json; name the file to load ({})",
+                    ggufs.len(),
+                    ggufs.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy()).collect::<Vec<_>>().join(", ")
+                ),
+            }),
+        }
+    }
+
+    /// The folder or file.
+    pub(crate) fn path(&self) -> &Path {
+        match self {
+            Source::Folder(p) | Source::Gguf(p) => p,
+        }
+    }
 }
 
 /// Sizes the process-wide worker pool the kernels run on, once: `threads`,

@@ -18,8 +18,13 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     /// Loads `tokenizer.json`, and the chat template from `chat_template.jinja`
-    /// or `tokenizer_config.json` when present.
+    /// or `tokenizer_config.json` when present. `dir` may also be a GGUF
+    /// file, or a folder holding one `.gguf` file and no `config.json`: then
+    /// both come from the file ([`Tokenizer::from_gguf`]).
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        if let crate::model::Source::Gguf(file) = crate::model::Source::resolve(dir)? {
+            return Tokenizer::from_gguf(&crate::gguf::Gguf::open(&file)?);
+        }
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
             return Err(Error::Tokenizer { path, message: "file not found".into() });
@@ -27,6 +32,27 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::Tokenizer { path: path.clone(), message: e.to_string() })?;
         let template = ChatTemplate::from_dir(dir)?;
+        Ok(Tokenizer { inner, template })
+    }
+
+    /// The tokenizer and chat template a GGUF file carries: `tokenizer.ggml.*`
+    /// built into the `tokenizer.json` transformers would have (byte-level
+    /// BPE over the pre-tokenizer `tokenizer.ggml.pre` names; tokens of type
+    /// 3, control, and 4, user-defined, as added tokens, special and not),
+    /// and `tokenizer.chat_template`.
+    pub fn from_gguf(g: &crate::gguf::Gguf) -> Result<Tokenizer> {
+        let json = crate::gguf_tokenizer::tokenizer_json(g)?;
+        let inner: tokenizers::Tokenizer = json
+            .to_string()
+            .parse()
+            .map_err(|e: tokenizers::Error| Error::Tokenizer { path: g.path.clone(), message: e.to_string() })?;
+        let template = match g.get("tokenizer.chat_template") {
+            None => None,
+            Some(v) => {
+                let source = v.as_str().ok_or_else(|| g.err("`tokenizer.chat_template` is not a string"))?;
+                Some(ChatTemplate::new(source.to_string(), crate::gguf_tokenizer::special_tokens(g))?)
+            }
+        };
         Ok(Tokenizer { inner, template })
     }
 

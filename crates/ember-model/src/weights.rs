@@ -171,6 +171,9 @@ impl Tensor {
 
 struct Entry {
     file: usize,
+    /// Its name in the file when that differs from the HF name it is
+    /// looked up by (a GGUF file's llama.cpp names).
+    stored_name: Option<String>,
     /// The stored dtype, or its name when ember cannot compute with it.
     dtype: std::result::Result<WeightType, String>,
     shape: Vec<usize>,
@@ -184,6 +187,9 @@ pub struct TensorStore {
     entries: HashMap<String, Entry>,
     /// Where to say a missing tensor was looked for.
     origin: PathBuf,
+    /// Whether the tensors come from a GGUF file (named by llama.cpp's
+    /// names in errors).
+    gguf: bool,
 }
 
 impl std::fmt::Debug for TensorStore {
@@ -277,7 +283,7 @@ impl TensorStore {
                 if entries.contains_key(&name) {
                     return Err(bad(format!("tensor `{name}` appears in more than one file")));
                 }
-                entries.insert(name, Entry { file: i, dtype, shape, start, len: b - a });
+                entries.insert(name, Entry { file: i, stored_name: None, dtype, shape, start, len: b - a });
             }
             let storage = if misaligned {
                 // Rare (writers pad the header to 8 bytes): copy the file once
@@ -290,7 +296,51 @@ impl TensorStore {
             };
             files.push((path.clone(), Arc::new(storage)));
         }
-        Ok(TensorStore { files, entries, origin })
+        Ok(TensorStore { files, entries, origin, gguf: false })
+    }
+
+    /// The tensors of a GGUF file, looked up by their HuggingFace names
+    /// (`blk.0.attn_q.weight` as `model.layers.0.self_attn.q_proj.weight`)
+    /// with shapes rows first (GGUF's dimensions reversed), borrowed from the
+    /// file's map. Tensors of types ember does not compute with are an error
+    /// only when asked for.
+    pub fn open_gguf(g: crate::gguf::Gguf) -> Result<TensorStore> {
+        let mut entries = HashMap::new();
+        let mut misaligned = false;
+        for (hf, t) in crate::gguf::hf_names(&g) {
+            let dtype = t.ty.weight_type().ok_or_else(|| t.ty.name().to_string());
+            let start = (g.header.data_start + t.offset) as usize;
+            misaligned |= dtype.as_ref().is_ok_and(|d| !start.is_multiple_of(d.align()));
+            let entry = Entry {
+                file: 0,
+                stored_name: Some(t.name.clone()),
+                dtype,
+                shape: t.shape(),
+                start,
+                len: t.size as usize,
+            };
+            if entries.insert(hf.clone(), entry).is_some() {
+                return Err(Error::Gguf { path: g.path.clone(), message: format!("two tensors are both `{hf}`") });
+            }
+        }
+        let storage = if misaligned {
+            // Only with a `general.alignment` below a type's own alignment.
+            let mut owned = vec![0u32; g.map.len().div_ceil(4)];
+            bytemuck::cast_slice_mut::<u32, u8>(&mut owned)[..g.map.len()].copy_from_slice(&g.map);
+            Storage::Owned(owned)
+        } else {
+            Storage::Mapped(g.map)
+        };
+        Ok(TensorStore { files: vec![(g.path.clone(), Arc::new(storage))], entries, origin: g.path, gguf: true })
+    }
+
+    /// A tensor's name in the file, for messages.
+    fn display_name(&self, name: &str) -> String {
+        match self.entries.get(name).and_then(|e| e.stored_name.clone()) {
+            Some(n) => n,
+            None if self.gguf => crate::gguf::gguf_name(name),
+            None => name.into(),
+        }
     }
 
     /// Names of all tensors.
@@ -313,7 +363,7 @@ impl TensorStore {
             .entries
             .get(name)
             .map(|e| e.shape.clone())
-            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), name: name.into() })?;
+            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), name: self.display_name(name) })?;
         self.get(name, &shape)
     }
 
@@ -322,15 +372,18 @@ impl TensorStore {
         let e = self
             .entries
             .get(name)
-            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), name: name.into() })?;
+            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), name: self.display_name(name) })?;
         let dtype = match &e.dtype {
             Ok(d) => *d,
+            Err(ty) if self.gguf => {
+                return Err(Error::GgufType { path: self.path_of(e), name: self.display_name(name), ty: ty.clone() })
+            }
             Err(d) => return Err(Error::Dtype { path: self.path_of(e), name: name.into(), dtype: d.clone() }),
         };
         if e.shape != shape {
             return Err(Error::Shape {
                 path: self.path_of(e),
-                name: name.into(),
+                name: self.display_name(name),
                 found: e.shape.clone(),
                 expected: shape.to_vec(),
             });
