@@ -130,7 +130,11 @@ pub fn package(args: &[String]) -> Result<()> {
     let mut members = Vec::new();
     for c in CRATES {
         let file = target.join("package").join(format!("{c}-{version}.crate"));
-        run_cmd(Command::new("tar").arg("xzf").arg(&file).arg("-C").arg(&tmp), &format!("unpacking {c}"))?;
+        // `-m`: the files get the time of unpacking. The packages' stored
+        // times do not change between runs, so with them cargo took the
+        // previous run's build of the crates for current (a stale library
+        // under new tests, seen when the GGUF reader landed).
+        run_cmd(Command::new("tar").arg("-mxzf").arg(&file).arg("-C").arg(&tmp), &format!("unpacking {c}"))?;
         members.push(format!("{c}-{version}"));
     }
     let patch: String = CRATES.iter().map(|c| format!("{c} = {{ path = \"{c}-{version}\" }}\n")).collect();
