@@ -363,7 +363,9 @@ impl Header {
                 .checked_mul(block_bytes)
                 .ok_or_else(|| format!("tensor `{name}`'s size overflows"))?;
             if offset % alignment != 0 {
-                return Err(format!("tensor `{name}`'s offset {offset} is not a multiple of the alignment {alignment}"));
+                return Err(format!(
+                    "tensor `{name}`'s offset {offset} is not a multiple of the alignment {alignment}"
+                ));
             }
             if !names.insert(name.clone()) {
                 return Err(format!("tensor `{name}` appears twice"));
@@ -497,7 +499,10 @@ impl<'a> Reader<'a> {
             ($variant:ident, $t:ty) => {{
                 let bytes = self.take((n * std::mem::size_of::<$t>()) as u64, &what)?;
                 Array::$variant(
-                    bytes.chunks_exact(std::mem::size_of::<$t>()).map(|c| <$t>::from_le_bytes(c.try_into().unwrap())).collect(),
+                    bytes
+                        .chunks_exact(std::mem::size_of::<$t>())
+                        .map(|c| <$t>::from_le_bytes(c.try_into().unwrap()))
+                        .collect(),
                 )
             }};
         }
@@ -684,7 +689,9 @@ pub(crate) fn qwen2_config(g: &Gguf) -> Result<crate::config::Config> {
     if g.get("qwen2.attention.key_length").is_some() {
         json["head_dim"] = g.usize_key("qwen2.attention.key_length")?.into();
     }
-    for (key, field) in [("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")] {
+    for (key, field) in
+        [("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")]
+    {
         if g.get(key).is_some() {
             json[field] = g.usize_key(key)?.into();
         }

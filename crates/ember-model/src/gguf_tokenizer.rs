@@ -62,7 +62,9 @@ pub(crate) fn tokenizer_json(g: &Gguf) -> Result<Json> {
     let pre_tokenizer = match pre {
         "qwen2" => qwen2_pre_tokenizer(),
         other => {
-            return Err(g.err(format!("tokenizer.ggml.pre is \"{other}\"; ember knows the pre-tokenizer \"qwen2\" only")))
+            return Err(
+                g.err(format!("tokenizer.ggml.pre is \"{other}\"; ember knows the pre-tokenizer \"qwen2\" only"))
+            )
         }
     };
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
@@ -140,4 +142,3 @@ pub(crate) fn special_tokens(g: &Gguf) -> Vec<(String, String)> {
     }
     out
 }
-

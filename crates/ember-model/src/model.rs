@@ -3,8 +3,8 @@
 use crate::chat::{Message, Tool};
 use crate::config::{eos_ids, Config, GenerationConfig};
 use crate::error::{Error, Result};
-use crate::gguf::Gguf;
 use crate::generate::{Context, DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK};
+use crate::gguf::Gguf;
 use crate::qwen2::{QuantPolicy, Qwen2};
 use crate::session::Session;
 use crate::tokenizer::Tokenizer;
@@ -360,7 +360,11 @@ impl Source {
                 message: format!(
                     "holds {} .gguf files and no config.json; name the file to load ({})",
                     ggufs.len(),
-                    ggufs.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy()).collect::<Vec<_>>().join(", ")
+                    ggufs
+                        .iter()
+                        .map(|p| p.file_name().unwrap_or_default().to_string_lossy())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             }),
         }

@@ -141,10 +141,7 @@ fn reads_every_value_type_and_tensor_infos() {
     assert_eq!(h.get("t.i64"), Some(&Value::I64(i64::MIN)));
     assert_eq!(h.get("t.f64"), Some(&Value::F64(0.25)));
     assert_eq!(h.get("t.strings"), Some(&Value::Array(Array::String(vec!["a".into(), "bc".into()]))));
-    assert_eq!(
-        h.get("t.nested"),
-        Some(&Value::Array(Array::Array(vec![Array::I32(vec![1, 2]), Array::I32(vec![3])])))
-    );
+    assert_eq!(h.get("t.nested"), Some(&Value::Array(Array::Array(vec![Array::I32(vec![1, 2]), Array::I32(vec![3])]))));
     let names: Vec<_> = h.tensors.iter().map(|t| (t.name.as_str(), t.ty, t.size, t.shape())).collect();
     assert_eq!(
         names,
@@ -406,7 +403,10 @@ fn tiny_model_from_gguf_computes_what_safetensors_computes() {
         assert_eq!(m.config.rope_theta, folder.config.rope_theta);
         let got = logits(&m, &ids);
         let same_type = ember_model::advanced::gguf::GgmlType(ty).weight_type() == Some(stored);
-        assert_eq!(m.layers[0].mlp.up_proj.weight.dtype, ember_model::advanced::gguf::GgmlType(ty).weight_type().unwrap());
+        assert_eq!(
+            m.layers[0].mlp.up_proj.weight.dtype,
+            ember_model::advanced::gguf::GgmlType(ty).weight_type().unwrap()
+        );
         let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         if same_type {
             assert_eq!(got, want, "the same weights in the same type: the same logits");
@@ -437,7 +437,10 @@ fn gguf_model_errors_name_the_tensor() {
     let e = store.get("model.layers.0.mlp.up_proj.weight", &[1, 256]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        format!("{}: tensor `blk.0.ffn_up.weight` has GGUF type Q4_K; ember runs F32, F16, BF16, Q8_0 and Q4_0 so far", path.display())
+        format!(
+            "{}: tensor `blk.0.ffn_up.weight` has GGUF type Q4_K; ember runs F32, F16, BF16, Q8_0 and Q4_0 so far",
+            path.display()
+        )
     );
     let e = store.get("model.layers.0.mlp.down_proj.weight", &[1, 256]).unwrap_err();
     assert!(e.to_string().contains("tensor `blk.0.ffn_down.weight` is missing"), "{e}");
