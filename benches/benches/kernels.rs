@@ -24,22 +24,18 @@ fn bench_matvec(c: &mut Criterion) {
         let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
         let x = values(cols);
         let mut y = vec![0.0; rows];
-        let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
-        for (name, weights) in [("f32", Weights::F32(&w)), ("bf16", Weights::Bf16(&wb)), ("f16", Weights::F16(&wh))] {
-            let m = MatRef::new(weights, rows, cols);
-            group.throughput(Throughput::Bytes(m.bytes() as u64));
-            group.bench_function(format!("{name} threaded"), |b| b.iter(|| matvec(m, &x, &mut y)));
-            for isa in Isa::supported() {
-                group.bench_function(format!("{name} {} 1 thread", isa.name()), |b| {
-                    b.iter(|| matvec_with(isa, m, &x, &mut y))
-                });
-            }
-        }
-        // The quantized rows, read by int8 activations quantized once per call.
+        // The quantized rows read int8 activations, quantized once per call.
         let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
         Int8::quantize_row(&w, &mut q8);
         Int4::quantize_row(&w, &mut q4);
-        for (name, weights) in [("int8", Weights::Int8(&q8)), ("int4", Weights::Int4(&q4))] {
+        let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
+        for (name, weights) in [
+            ("f32", Weights::F32(&w)),
+            ("bf16", Weights::Bf16(&wb)),
+            ("f16", Weights::F16(&wh)),
+            ("int8", Weights::Int8(&q8)),
+            ("int4", Weights::Int4(&q4)),
+        ] {
             let m = MatRef::new(weights, rows, cols);
             group.throughput(Throughput::Bytes(m.bytes() as u64));
             group.bench_function(format!("{name} threaded"), |b| b.iter(|| matvec(m, &x, &mut y)));

@@ -242,9 +242,11 @@ pub struct Chunks {
 
 impl Chunks {
     /// `rows` for `threads` threads, chunks starting on multiples of
-    /// `align` and at least `min` rows long (the last excepted).
+    /// `align` and at least `min` rows long (the last excepted). One thread
+    /// has nobody to balance with: it takes every row in one chunk.
     pub fn new(rows: usize, threads: usize, align: usize, min: usize) -> Chunks {
         let align = align.max(1);
+        let min = if threads <= 1 { rows } else { min };
         Chunks {
             next: AtomicUsize::new(0),
             rows,

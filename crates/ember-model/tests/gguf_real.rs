@@ -18,7 +18,7 @@ mod common;
 
 use ember_model::advanced::gguf::Gguf;
 use ember_model::advanced::TensorStore;
-use ember_model::{Error, Message, Model, Tokenizer, Tool};
+use ember_model::{Error, Model, Tokenizer};
 use std::path::PathBuf;
 
 fn peers(kind: &str) -> Option<PathBuf> {
@@ -73,15 +73,6 @@ fn gguf_tokenizer() -> Option<Tokenizer> {
     Some(Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap())
 }
 
-#[derive(serde::Deserialize)]
-struct Case {
-    name: String,
-    messages: Vec<Message>,
-    tools: Option<Vec<Tool>>,
-    add_generation_prompt: bool,
-    rendered: String,
-}
-
 #[test]
 fn tokenizer_and_template_equal_the_folder_and_transformers() {
     let Some(g) = gguf_tokenizer() else { return };
@@ -100,9 +91,7 @@ fn tokenizer_and_template_equal_the_folder_and_transformers() {
     assert!(texts.len() >= 6);
     texts.push(std::fs::read_to_string(common::fixtures().join("reference/long_prompt.txt")).unwrap());
     // Template cases: the file's template renders what transformers rendered.
-    let cases: Vec<Case> =
-        serde_json::from_str(&std::fs::read_to_string(common::fixtures().join("templates/cases.json")).unwrap())
-            .unwrap();
+    let cases = common::template_cases();
     for c in &cases {
         let tools = c.tools.as_deref().unwrap_or_default();
         let got = g.apply_chat_template_with_tools(&c.messages, tools, c.add_generation_prompt).unwrap();

@@ -10,15 +10,6 @@ mod common;
 
 use ember_model::{json, Message, Role, Tokenizer, Tool, ToolCall};
 
-#[derive(serde::Deserialize)]
-struct Case {
-    name: String,
-    messages: Vec<Message>,
-    tools: Option<Vec<Tool>>,
-    add_generation_prompt: bool,
-    rendered: String,
-}
-
 fn qwen() -> Tokenizer {
     Tokenizer::from_dir(&common::fixtures().join("qwen2.5-coder-0.5b-instruct")).unwrap()
 }
@@ -26,8 +17,7 @@ fn qwen() -> Tokenizer {
 #[test]
 fn renderings_equal_transformers() {
     let t = qwen();
-    let text = std::fs::read_to_string(common::fixtures().join("templates/cases.json")).unwrap();
-    let cases: Vec<Case> = serde_json::from_str(&text).unwrap();
+    let cases = common::template_cases();
     assert!(cases.len() >= 8);
     assert!(cases.iter().filter(|c| c.tools.as_ref().is_some_and(|t| !t.is_empty())).count() >= 2, "tool cases");
     for case in &cases {

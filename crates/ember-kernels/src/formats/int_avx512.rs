@@ -1,24 +1,24 @@
-//! AVX-512 decoding kernels of the INT4 and INT8 rows: two blocks per
-//! 512-bit register.
+//! AVX-512 decoding kernels of the INT4 and INT8 rows: several blocks of a
+//! row per 512-bit register.
 //!
-//! The AVX2 kernels spend most of their instructions on per-block work that
-//! is not the dot product itself: widening one F16 scale, multiplying it by
-//! the activation block's, broadcasting it, converting the block's integer
-//! sum and adding it in (about 7 of 11 instructions for an INT4 block). At 18
-//! bytes per INT4 block that bounds a thread at ~8 GB/s even in L2, below the
-//! memory's share, so INT4 decoding was compute-bound (`cargo bench -p
-//! ember-benches -- "matvec .*/int4"`). Here each register holds two blocks
-//! of a row, and:
+//! A kernel that takes one 32-weight block at a time spends most of its
+//! instructions on per-block work that is not the dot product itself:
+//! widening one F16 scale, multiplying it by the activation block's,
+//! broadcasting it, converting the block's integer sum and adding it in
+//! (about 7 of 11 instructions for an INT4 block). At 18 bytes per INT4
+//! block that bounded a thread at ~8 GB/s even in L2, below the memory's
+//! share, so INT4 decoding was compute-bound (`cargo bench -p ember-benches
+//! -- "matvec .*/int4"`). Here INT4 holds four blocks per register (`Quad`)
+//! and INT8 two (`Pair`), and:
 //! - the products land in i32 lanes already offset: the accumulator starts
-//!   at `−offset · Σx` for each block (lane 0 of each half), so `vpdpbusd`
-//!   (or `vpmaddubsw` + `vpmaddwd` without VNNI) gives `Σ (u − offset)·x`
-//!   with no subtraction;
-//! - both blocks' F16 scales widen in one conversion, meet both activation
-//!   scales in one multiply and spread over their halves in one permute;
-//! - one conversion and one FMA per two blocks.
+//!   at `−offset · Σx` for each block, so `vpdpbusd` (or `vpmaddubsw` +
+//!   `vpmaddwd` without VNNI) gives `Σ (u − offset)·x` with no subtraction;
+//! - the blocks' F16 scales widen in one conversion, meet the activation
+//!   scales in one multiply and spread over their lanes in one permute;
+//! - one conversion and one FMA per register.
 //!
-//! Activation pairs (both blocks' bytes, starts and scales) are built once
-//! per step and shared by the four rows. An odd last block pairs with zero
+//! The activations' side (bytes, starts and scales) is built once per step
+//! and shared by the four rows. Blocks past a row's end pair with zero
 //! activations. Each function requires AVX-512F and BW (and VNNI for the
 //! `vnni` ones); an `Isa` of the matching tier is the proof.
 use super::act::BlockA8;
@@ -29,11 +29,12 @@ use std::arch::x86_64::*;
 /// How far ahead each row is prefetched, in bytes (as the AVX2 kernels).
 const PREFETCH_AHEAD: usize = 2048;
 
-/// Two activation blocks as one step's operands.
+/// Two activation blocks as one step's operands for INT8, whose codes the
+/// kernel makes unsigned (`q + 128`: offset 128).
 struct Pair {
     /// Both blocks' 32 bytes: block i in the low half, i + 1 in the high.
     x: __m512i,
-    /// `−offset · Σx` in lane 0 of each half, zero elsewhere.
+    /// `−128 · Σx` in lane 0 of each half, zero elsewhere.
     start: __m512i,
     /// The two activation scales in lanes 0 and 1.
     d: __m128,
@@ -42,15 +43,15 @@ struct Pair {
 /// The activation pair at block `i` (`i + 1` may be past the end: zeros).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pair(x: &[BlockA8], i: usize, offset: i32) -> Pair {
+unsafe fn pair(x: &[BlockA8], i: usize) -> Pair {
     let a = x.get_unchecked(i);
     let lo = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
     let (hi, s1, d1) = match x.get(i + 1) {
         Some(b) => (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), b.sum, b.d),
         None => (_mm256_setzero_si256(), 0, 0.0),
     };
-    let start = _mm512_maskz_set1_epi32(1, -offset * a.sum);
-    let start = _mm512_mask_set1_epi32(start, 1 << 8, -offset * s1);
+    let start = _mm512_maskz_set1_epi32(1, -128 * a.sum);
+    let start = _mm512_mask_set1_epi32(start, 1 << 8, -128 * s1);
     Pair { x: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), start, d: _mm_setr_ps(a.d, d1, 0.0, 0.0) }
 }
 
@@ -224,7 +225,7 @@ pub mod vnni8 {
         let mut acc = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i < n {
-            let p = pair(x, i, 128);
+            let p = pair(x, i);
             let j = if i + 1 < n { i + 1 } else { i };
             for k in 0..R {
                 let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));

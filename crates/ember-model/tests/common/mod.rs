@@ -82,3 +82,21 @@ pub fn reference(variant: &str) -> Reference {
             .collect(),
     }
 }
+
+/// A case of `fixtures/templates/cases.json` (made by
+/// `fixtures/templates/make_cases.py`): messages, tools and what
+/// transformers' `apply_chat_template` rendered.
+#[derive(serde::Deserialize)]
+pub struct TemplateCase {
+    pub name: String,
+    pub messages: Vec<ember_model::Message>,
+    pub tools: Option<Vec<ember_model::Tool>>,
+    pub add_generation_prompt: bool,
+    pub rendered: String,
+}
+
+/// Every case of `fixtures/templates/cases.json`.
+pub fn template_cases() -> Vec<TemplateCase> {
+    let text = std::fs::read_to_string(fixtures().join("templates/cases.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
