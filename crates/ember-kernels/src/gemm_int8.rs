@@ -212,9 +212,10 @@ fn pack_panel<F: Format>(
 }
 
 /// Whether products with `w` can run here: a row read by int8 activations
-/// (which has [`Format::codes`]), whole blocks per row.
+/// that has [`Format::codes`] (not Q4_1 / Q5_1, whose minimum is no
+/// offset), whole blocks per row.
 pub fn handles(w: &MatRef) -> bool {
-    w.weights.ty().act() == ActType::A8 && w.cols.is_multiple_of(QK_A8)
+    w.weights.ty().act() == ActType::A8 && w.weights.ty().has_codes() && w.cols.is_multiple_of(QK_A8)
 }
 
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread, `w (·, cols)` in a row

@@ -6,7 +6,10 @@
 //! contiguous share per thread of a [`ThreadPool`].
 
 use crate::cpu::Isa;
-use crate::formats::{quantize_activations, with_weights, ActType, Activation, Acts, BlockA8, Format, MatRef, QK_A8};
+use crate::formats::{
+    quantize_activations, quantize_activations_k, with_weights, ActType, Activation, Acts, BlockA8, BlockA8K, Format,
+    MatRef, QK_A8, QK_A8K,
+};
 use crate::ops::silu_mul;
 use crate::pool::{self, Chunks, SharedMut, ThreadPool};
 use std::cell::RefCell;
@@ -14,22 +17,60 @@ use std::cell::RefCell;
 thread_local! {
     /// The caller's int8 activations, reused across calls.
     static XQ: RefCell<Vec<BlockA8>> = const { RefCell::new(Vec::new()) };
+    /// The caller's 256-wide int8 activations (K rows), reused across calls.
+    static XQK: RefCell<Vec<BlockA8K>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with `x` in every activation format some matrix of `mats` reads:
 /// quantized once per mat-vec, shared by all rows and threads.
 fn with_acts<R>(isa: Isa, x: &[f32], mats: &[MatRef], f: impl FnOnce(&Acts) -> R) -> R {
-    if mats.iter().any(|m| m.weights.ty().act() == ActType::A8) {
+    let wants = |t: ActType| mats.iter().any(|m| m.weights.ty().act() == t);
+    let (a8, a8k) = (wants(ActType::A8), wants(ActType::A8K));
+    if a8 {
         assert!(x.len().is_multiple_of(QK_A8), "int8 activations are whole blocks of {QK_A8}");
-        XQ.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(x.len() / QK_A8, BlockA8::ZERO);
-            quantize_activations(isa, x, &mut buf);
-            f(&Acts { f32: x, a8: &buf })
-        })
-    } else {
-        f(&Acts { f32: x, a8: &[] })
     }
+    if a8k {
+        assert!(x.len().is_multiple_of(QK_A8K), "K activations are whole blocks of {QK_A8K}");
+    }
+    let blocks = |q: usize| x.len() / q;
+    with_buffer(
+        &XQ,
+        a8,
+        blocks(QK_A8),
+        BlockA8::ZERO,
+        |b| quantize_activations(isa, x, b),
+        |a8| {
+            with_buffer(
+                &XQK,
+                a8k,
+                blocks(QK_A8K),
+                BlockA8K::ZERO,
+                |b| quantize_activations_k(isa, x, b),
+                |a8k| f(&Acts { f32: x, a8, a8k }),
+            )
+        },
+    )
+}
+
+/// Runs `f` with `n` blocks filled by `fill` in the thread's buffer `key`,
+/// or with no blocks (and no borrow) when not `wanted`.
+fn with_buffer<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<T>>>,
+    wanted: bool,
+    n: usize,
+    zero: T,
+    fill: impl FnOnce(&mut [T]),
+    f: impl FnOnce(&[T]) -> R,
+) -> R {
+    if !wanted {
+        return f(&[]);
+    }
+    key.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(n, zero);
+        fill(&mut buf);
+        f(&buf)
+    })
 }
 
 /// `y = W @ x` on the calling thread with the given tier.

@@ -84,13 +84,13 @@ pub enum Error {
 
     /// A GGUF tensor the model needs is stored in a ggml type ember does not
     /// compute with yet.
-    #[error("{}: tensor `{name}` has GGUF type {ty}; ember runs F32, F16, BF16, Q8_0 and Q4_0 so far", path.display())]
+    #[error("{}: tensor `{name}` has GGUF type {ty}; ember runs F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K", path.display())]
     GgufType {
         /// The file.
         path: PathBuf,
         /// The tensor's name in the file (llama.cpp's).
         name: String,
-        /// ggml's name of its type (`Q4_K`, ...).
+        /// ggml's name of its type (`IQ4_XS`, ...).
         ty: String,
     },
 

@@ -98,7 +98,10 @@ impl GgmlType {
     /// of real Q8_0 and Q4_0 tensors against them). These are exactly
     /// [`BlockQ8`](ember_kernels::formats::BlockQ8) and
     /// [`BlockQ4`](ember_kernels::formats::BlockQ4), so the same kernels run
-    /// them: one implementation, not two.
+    /// them: one implementation, not two. Q4_1, Q5_0, Q5_1 and the K types
+    /// Q2_K .. Q6_K are rows of ember's format table of the same names,
+    /// whose blocks are ggml's (`ember_kernels::formats`). The others (Q8_1,
+    /// Q8_K, the IQ and TQ types, MXFP4, integer and F64 tensors) are not run.
     pub fn weight_type(self) -> Option<ember_kernels::WeightType> {
         use ember_kernels::WeightType as W;
         match self.0 {
@@ -107,6 +110,14 @@ impl GgmlType {
             30 => Some(W::Bf16),
             8 => Some(W::Int8),
             2 => Some(W::Int4),
+            3 => Some(W::Q4_1),
+            6 => Some(W::Q5_0),
+            7 => Some(W::Q5_1),
+            10 => Some(W::Q2K),
+            11 => Some(W::Q3K),
+            12 => Some(W::Q4K),
+            13 => Some(W::Q5K),
+            14 => Some(W::Q6K),
             _ => None,
         }
     }

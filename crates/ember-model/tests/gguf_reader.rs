@@ -427,25 +427,26 @@ fn tiny_model_from_gguf_computes_what_safetensors_computes() {
 
 #[test]
 fn gguf_model_errors_name_the_tensor() {
-    // A Q4_K tensor where a matrix is needed: named with its type.
+    // An IQ4_XS tensor (a type ember does not run) where a matrix is
+    // needed: named with its type.
     let mut w = Writer::new();
     w.str("general.architecture", "qwen2");
-    w.tensor("blk.0.ffn_up.weight", &[256, 1], 12, vec![0; 144]);
-    let path = tmp("q4k.gguf");
+    w.tensor("blk.0.ffn_up.weight", &[256, 1], 23, vec![0; 136]);
+    let path = tmp("iq4xs.gguf");
     std::fs::write(&path, w.bytes()).unwrap();
     let store = TensorStore::open_gguf(Gguf::open(&path).unwrap()).unwrap();
     let e = store.get("model.layers.0.mlp.up_proj.weight", &[1, 256]).unwrap_err();
     assert_eq!(
         e.to_string(),
         format!(
-            "{}: tensor `blk.0.ffn_up.weight` has GGUF type Q4_K; ember runs F32, F16, BF16, Q8_0 and Q4_0 so far",
+            "{}: tensor `blk.0.ffn_up.weight` has GGUF type IQ4_XS; ember runs F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K",
             path.display()
         )
     );
     let e = store.get("model.layers.0.mlp.down_proj.weight", &[1, 256]).unwrap_err();
     assert!(e.to_string().contains("tensor `blk.0.ffn_down.weight` is missing"), "{e}");
     let e = store.get_any("model.layers.0.mlp.up_proj.weight").unwrap_err();
-    assert!(e.to_string().contains("Q4_K"), "{e}");
+    assert!(e.to_string().contains("IQ4_XS"), "{e}");
     // A shape that disagrees with the config: named by the file's name.
     let path = tmp("shape.gguf");
     let mut w = Writer::new();
@@ -466,4 +467,26 @@ fn gguf_model_errors_name_the_tensor() {
     std::fs::write(&path, b"nope").unwrap();
     let e = load_qwen2(&path).unwrap_err();
     assert!(e.to_string().contains("invalid GGUF file: not a GGUF file"), "{e}");
+}
+
+/// Every GGUF type ember runs is a row of its format table with ggml's block
+/// length and size, and each is named as ggml names it (`q4_k` for Q4_K).
+#[test]
+fn each_run_type_has_ggmls_block() {
+    let mut run = Vec::new();
+    for id in 0..64 {
+        let t = ember_model::advanced::gguf::GgmlType(id);
+        if let Some(w) = t.weight_type() {
+            let (len, bytes) = t.block().unwrap();
+            assert_eq!((w.block_len() as u64, w.block_bytes() as u64), (len, bytes), "{t}");
+            if w.block_len() > 1 && !matches!(id, 2 | 8) {
+                assert_eq!(w.name(), t.name().to_lowercase(), "{t}");
+            }
+            run.push(t.name());
+        }
+    }
+    assert_eq!(
+        run,
+        ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "BF16"]
+    );
 }

@@ -2,8 +2,8 @@
 //! pairs) then `madd` with ones (→ i32), one f32 FMA per block for the scales;
 //! and the int8 activation quantizer. Each requires AVX2, FMA and F16C; an
 //! `Isa` of the AVX2 tier or above is the proof.
-use super::act::BlockA8;
 use super::act::QK_A8 as QK;
+use super::act::{BlockA8, BlockA8K, QK_A8K};
 use super::int4::BlockQ4;
 use super::int8::BlockQ8;
 use std::arch::x86_64::*;
@@ -22,7 +22,7 @@ unsafe fn dot_i8(w: __m256i, x: __m256i) -> __m256i {
 /// in both halves, the upper half shifted right by 4, then masked.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn nibbles(qs: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles(qs: *const u8) -> __m256i {
     let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
     let shifted = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
     _mm256_and_si256(shifted, _mm256_set1_epi8(15))
@@ -30,19 +30,19 @@ unsafe fn nibbles(qs: *const u8) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     super::float::avx2::hsum(v)
 }
 
 /// A block's F16 scale, widened by the F16C unit.
 #[inline]
 #[target_feature(enable = "f16c")]
-unsafe fn scale(d: half::f16) -> f32 {
+pub(super) unsafe fn scale(d: half::f16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)))
 }
 
 /// How far ahead the next blocks of each row are prefetched, in bytes.
-const PREFETCH_AHEAD: usize = 2048;
+pub(super) const PREFETCH_AHEAD: usize = 2048;
 
 /// Four INT8 rows against the same activations.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -83,7 +83,7 @@ pub unsafe fn dot_q8(w: &[BlockQ8], x: &[BlockA8]) -> f32 {
 /// 32 signed codes (one per byte) times `d`, to `y[..32]`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn store_scaled(q: __m256i, d: f32, y: *mut f32) {
+pub(super) unsafe fn store_scaled(q: __m256i, d: f32, y: *mut f32) {
     let d = _mm256_set1_ps(d);
     let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
     for (h, part) in halves.into_iter().enumerate() {
@@ -111,37 +111,88 @@ pub unsafe fn dequantize_q4(src: &[BlockQ4], dst: &mut [f32]) {
     }
 }
 
+/// The largest `|x|` of `x` (a multiple of 32 long).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn abs_max(x: &[f32]) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for v in x.chunks_exact(8) {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v.as_ptr())));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+}
+
+/// The 32 codes of `p[..32]` at `inv` (`x · inv` rounded half away from
+/// zero, as the scalar quantizers do), in order.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn codes32(p: *const f32, inv: f32) -> __m256i {
+    let sign = _mm256_set1_ps(-0.0);
+    let iv = _mm256_set1_ps(inv);
+    // Half away from zero: add ±0.5, then truncate.
+    let half = _mm256_set1_ps(0.5);
+    let r = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+    let q = r.map(|v| {
+        let s = _mm256_mul_ps(v, iv);
+        let h = _mm256_or_ps(half, _mm256_and_ps(sign, s));
+        _mm256_cvttps_epi32(_mm256_add_ps(s, h))
+    });
+    // 32 × i32 → 32 × i8, in order.
+    let a = _mm256_packs_epi32(q[0], q[1]);
+    let c = _mm256_packs_epi32(q[2], q[3]);
+    let bytes = _mm256_packs_epi16(a, c);
+    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
 /// [`super::quantize_activations_scalar`] with AVX2, bit for bit.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn quantize_activations(x: &[f32], dst: &mut [BlockA8]) {
-    let sign = _mm256_set1_ps(-0.0);
     for (v, b) in x.chunks_exact(QK).zip(dst.iter_mut()) {
-        let p = v.as_ptr();
-        let r = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
-        let m = r.iter().fold(_mm256_setzero_ps(), |m, &v| _mm256_max_ps(m, _mm256_andnot_ps(sign, v)));
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        let amax = abs_max(v);
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        let iv = _mm256_set1_ps(inv);
-        // Half away from zero: add ±0.5, then truncate.
-        let half = _mm256_set1_ps(0.5);
-        let q = r.map(|v| {
-            let s = _mm256_mul_ps(v, iv);
-            let h = _mm256_or_ps(half, _mm256_and_ps(sign, s));
-            _mm256_cvttps_epi32(_mm256_add_ps(s, h))
-        });
-        // 32 × i32 → 32 × i8, in order.
-        let a = _mm256_packs_epi32(q[0], q[1]);
-        let c = _mm256_packs_epi32(q[2], q[3]);
-        let bytes = _mm256_packs_epi16(a, c);
-        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let bytes = codes32(v.as_ptr(), inv);
         _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, bytes);
         let sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
         let sum32 = _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
         let s = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256::<1>(sum32));
         let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
         b.sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)));
+        b.d = amax / 127.0;
+    }
+}
+
+/// [`super::act::quantize_activations_k_scalar`] with AVX2, bit for bit.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_activations_k(x: &[f32], dst: &mut [BlockA8K]) {
+    for (v, b) in x.chunks_exact(QK_A8K).zip(dst.iter_mut()) {
+        let amax = abs_max(v);
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (c, q) in v.chunks_exact(QK).zip(b.qs.chunks_exact_mut(QK)) {
+            _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, codes32(c.as_ptr(), inv));
+        }
+        // The sums of 16: 16 i16 pair sums, then pairs of those (`vphaddw`).
+        for (g, q) in b.qs.chunks_exact(2 * QK).enumerate() {
+            let ones = _mm256_set1_epi8(1);
+            let p0 = _mm256_maddubs_epi16(ones, _mm256_loadu_si256(q.as_ptr() as *const __m256i));
+            let p1 = _mm256_maddubs_epi16(ones, _mm256_loadu_si256(q.as_ptr().add(QK) as *const __m256i));
+            // Within each 128-bit lane: sums of 4 bytes, then of 8, then of 16.
+            let s = _mm256_hadd_epi16(p0, p1);
+            let s = _mm256_hadd_epi16(s, s);
+            let s = _mm256_hadd_epi16(s, s);
+            // Lane 0 of each half: [p0 lo, p1 lo] sums; 16-bit words 0, 1 of each 128-bit lane.
+            let lo = _mm256_extract_epi16::<0>(s) as i16;
+            let lo1 = _mm256_extract_epi16::<1>(s) as i16;
+            let hi = _mm256_extract_epi16::<8>(s) as i16;
+            let hi1 = _mm256_extract_epi16::<9>(s) as i16;
+            // p0's 16-byte halves are groups 4g, 4g + 1; p1's 4g + 2, 4g + 3.
+            b.bsums[4 * g] = lo;
+            b.bsums[4 * g + 1] = hi;
+            b.bsums[4 * g + 2] = lo1;
+            b.bsums[4 * g + 3] = hi1;
+        }
         b.d = amax / 127.0;
     }
 }

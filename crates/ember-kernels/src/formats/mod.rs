@@ -15,6 +15,21 @@
 //! | [`F16`] | `f16` | [`f16`] | 1 | f32 |
 //! | [`Int8`] | `int8` | [`BlockQ8`] (34 B) | 32 | [`BlockA8`] |
 //! | [`Int4`] | `int4` | [`BlockQ4`] (18 B) | 32 | [`BlockA8`] |
+//! | [`Q4_1`] | `q4_1` | [`BlockQ4_1`] (20 B) | 32 | [`BlockA8`] |
+//! | [`Q5_0`] | `q5_0` | [`BlockQ5_0`] (22 B) | 32 | [`BlockA8`] |
+//! | [`Q5_1`] | `q5_1` | [`BlockQ5_1`] (24 B) | 32 | [`BlockA8`] |
+//! | [`Q2K`] | `q2_k` | [`BlockQ2K`] (84 B) | 256 | [`BlockA8K`] |
+//! | [`Q3K`] | `q3_k` | [`BlockQ3K`] (110 B) | 256 | [`BlockA8K`] |
+//! | [`Q4K`] | `q4_k` | [`BlockQ4K`] (144 B) | 256 | [`BlockA8K`] |
+//! | [`Q5K`] | `q5_k` | [`BlockQ5K`] (176 B) | 256 | [`BlockA8K`] |
+//! | [`Q6K`] | `q6_k` | [`BlockQ6K`] (210 B) | 256 | [`BlockA8K`] |
+//!
+//! INT8 and INT4 are ggml's Q8_0 and Q4_0 byte for byte; the rows from
+//! Q4_1 on are ggml's types of the same names, read from GGUF files in
+//! place (their `dequantize_reference` is ggml's `dequantize_row_*`, checked
+//! against the `gguf` Python package on real tensors). Like llama.cpp, the
+//! 32-weight types pair with 32-wide int8 activations and the K types
+//! (256-weight super-blocks) with 256-wide ones carrying sums of 16.
 //!
 //! The rest of the engine never matches on the type: [`Weights`] (a typed,
 //! borrowed slice) and [`WeightType`] are turned into a row by the two
@@ -30,12 +45,37 @@ mod int8;
 mod int_avx2;
 #[cfg(target_arch = "x86_64")]
 mod int_avx512;
+#[cfg(target_arch = "x86_64")]
+mod k_avx2;
+mod kq;
+#[cfg(target_arch = "x86_64")]
+mod legacy_avx2;
+mod q2_k;
+mod q3_k;
+mod q4_1;
+mod q4_k;
+mod q5_0;
+mod q5_1;
+mod q5_k;
+mod q6_k;
 
-pub use act::{quantize_activations, quantize_activations_scalar, BlockA8, QK_A8};
+pub use act::{
+    quantize_activations, quantize_activations_k, quantize_activations_k_scalar, quantize_activations_scalar, BlockA8,
+    BlockA8K, QK_A8, QK_A8K,
+};
 pub use float::{Bf16, F16, F32};
 pub use half::{bf16, f16};
 pub use int4::{BlockQ4, Int4};
 pub use int8::{BlockQ8, Int8};
+pub use kq::QK_K;
+pub use q2_k::{BlockQ2K, Q2K};
+pub use q3_k::{BlockQ3K, Q3K};
+pub use q4_1::{BlockQ4_1, Q4_1};
+pub use q4_k::{BlockQ4K, Q4K};
+pub use q5_0::{BlockQ5_0, Q5_0};
+pub use q5_1::{BlockQ5_1, Q5_1};
+pub use q5_k::{BlockQ5K, Q5K};
+pub use q6_k::{BlockQ6K, Q6K};
 
 use crate::cpu::{Isa, Tier};
 
@@ -52,6 +92,22 @@ pub enum WeightType {
     Int8,
     /// ember's INT4 blocks ([`BlockQ4`]).
     Int4,
+    /// ggml's Q4_1 blocks ([`BlockQ4_1`]).
+    Q4_1,
+    /// ggml's Q5_0 blocks ([`BlockQ5_0`]).
+    Q5_0,
+    /// ggml's Q5_1 blocks ([`BlockQ5_1`]).
+    Q5_1,
+    /// ggml's Q2_K super-blocks ([`BlockQ2K`]).
+    Q2K,
+    /// ggml's Q3_K super-blocks ([`BlockQ3K`]).
+    Q3K,
+    /// ggml's Q4_K super-blocks ([`BlockQ4K`]).
+    Q4K,
+    /// ggml's Q5_K super-blocks ([`BlockQ5K`]).
+    Q5K,
+    /// ggml's Q6_K super-blocks ([`BlockQ6K`]).
+    Q6K,
 }
 
 /// Runs `$body` with `$F` bound to the [`Format`] row of a [`WeightType`].
@@ -76,6 +132,38 @@ macro_rules! with_type {
             }
             $crate::formats::WeightType::Int4 => {
                 type $F = $crate::formats::Int4;
+                $body
+            }
+            $crate::formats::WeightType::Q4_1 => {
+                type $F = $crate::formats::Q4_1;
+                $body
+            }
+            $crate::formats::WeightType::Q5_0 => {
+                type $F = $crate::formats::Q5_0;
+                $body
+            }
+            $crate::formats::WeightType::Q5_1 => {
+                type $F = $crate::formats::Q5_1;
+                $body
+            }
+            $crate::formats::WeightType::Q2K => {
+                type $F = $crate::formats::Q2K;
+                $body
+            }
+            $crate::formats::WeightType::Q3K => {
+                type $F = $crate::formats::Q3K;
+                $body
+            }
+            $crate::formats::WeightType::Q4K => {
+                type $F = $crate::formats::Q4K;
+                $body
+            }
+            $crate::formats::WeightType::Q5K => {
+                type $F = $crate::formats::Q5K;
+                $body
+            }
+            $crate::formats::WeightType::Q6K => {
+                type $F = $crate::formats::Q6K;
                 $body
             }
         }
@@ -107,11 +195,73 @@ macro_rules! with_weights {
                 type $F = $crate::formats::Int4;
                 $body
             }
+            $crate::formats::Weights::Q4_1($data) => {
+                type $F = $crate::formats::Q4_1;
+                $body
+            }
+            $crate::formats::Weights::Q5_0($data) => {
+                type $F = $crate::formats::Q5_0;
+                $body
+            }
+            $crate::formats::Weights::Q5_1($data) => {
+                type $F = $crate::formats::Q5_1;
+                $body
+            }
+            $crate::formats::Weights::Q2K($data) => {
+                type $F = $crate::formats::Q2K;
+                $body
+            }
+            $crate::formats::Weights::Q3K($data) => {
+                type $F = $crate::formats::Q3K;
+                $body
+            }
+            $crate::formats::Weights::Q4K($data) => {
+                type $F = $crate::formats::Q4K;
+                $body
+            }
+            $crate::formats::Weights::Q5K($data) => {
+                type $F = $crate::formats::Q5K;
+                $body
+            }
+            $crate::formats::Weights::Q6K($data) => {
+                type $F = $crate::formats::Q6K;
+                $body
+            }
         }
     };
 }
 
 pub(crate) use with_weights;
+
+/// The `kernels(tier)` of a row whose x86 tiers all run its AVX2 kernels
+/// (every tier above scalar has AVX2's features): `module::{dot, rows4,
+/// dequantize}`. Every tier is named.
+macro_rules! x86_kernels {
+    ($tier:expr, $module:ident, $dot:ident, $rows4:ident, $dequantize:ident) => {
+        match $tier {
+            $crate::cpu::Tier::Scalar => $crate::formats::reference_kernels(),
+            #[cfg(target_arch = "x86_64")]
+            $crate::cpu::Tier::Avx2
+            | $crate::cpu::Tier::AvxVnni
+            | $crate::cpu::Tier::Avx512
+            | $crate::cpu::Tier::Avx512Vnni
+            | $crate::cpu::Tier::Avx512Bf16
+            | $crate::cpu::Tier::Amx => {
+                use $crate::formats::$module as k;
+                $crate::formats::Kernels { dot: k::$dot, rows4: k::$rows4, dequantize: k::$dequantize }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            $crate::cpu::Tier::Avx2
+            | $crate::cpu::Tier::AvxVnni
+            | $crate::cpu::Tier::Avx512
+            | $crate::cpu::Tier::Avx512Vnni
+            | $crate::cpu::Tier::Avx512Bf16
+            | $crate::cpu::Tier::Amx => unreachable!("x86 tiers are only detected on x86"),
+        }
+    };
+}
+
+pub(crate) use x86_kernels;
 
 /// Row-major weights in their stored type, borrowed.
 #[derive(Clone, Copy, Debug)]
@@ -126,6 +276,22 @@ pub enum Weights<'a> {
     Int8(&'a [BlockQ8]),
     /// ember's INT4 blocks.
     Int4(&'a [BlockQ4]),
+    /// ggml's Q4_1 blocks.
+    Q4_1(&'a [BlockQ4_1]),
+    /// ggml's Q5_0 blocks.
+    Q5_0(&'a [BlockQ5_0]),
+    /// ggml's Q5_1 blocks.
+    Q5_1(&'a [BlockQ5_1]),
+    /// ggml's Q2_K super-blocks.
+    Q2K(&'a [BlockQ2K]),
+    /// ggml's Q3_K super-blocks.
+    Q3K(&'a [BlockQ3K]),
+    /// ggml's Q4_K super-blocks.
+    Q4K(&'a [BlockQ4K]),
+    /// ggml's Q5_K super-blocks.
+    Q5K(&'a [BlockQ5K]),
+    /// ggml's Q6_K super-blocks.
+    Q6K(&'a [BlockQ6K]),
 }
 
 /// One weight type as a row of the table. See the module docs.
@@ -235,6 +401,8 @@ pub enum ActType {
     F32,
     /// Int8 blocks of 32 with an f32 scale ([`BlockA8`]).
     A8,
+    /// Int8 blocks of 256 with an f32 scale and sums of 16 ([`BlockA8K`]).
+    A8K,
 }
 
 /// An activation format: how a row's dot product reads the input vector.
@@ -245,6 +413,8 @@ pub trait Activation: Copy + Send + Sync + 'static {
     const BLOCK_LEN: usize;
     /// This format's view of an input prepared by [`Acts`].
     fn pick<'a>(acts: &Acts<'a>) -> &'a [Self];
+    /// The inputs as the dot products see them, `out (blocks.len() * BLOCK_LEN,)`.
+    fn values(blocks: &[Self], out: &mut [f32]);
 }
 
 impl Activation for f32 {
@@ -253,6 +423,9 @@ impl Activation for f32 {
     fn pick<'a>(acts: &Acts<'a>) -> &'a [f32] {
         acts.f32
     }
+    fn values(blocks: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(blocks)
+    }
 }
 
 impl Activation for BlockA8 {
@@ -260,6 +433,24 @@ impl Activation for BlockA8 {
     const BLOCK_LEN: usize = QK_A8;
     fn pick<'a>(acts: &Acts<'a>) -> &'a [BlockA8] {
         acts.a8
+    }
+    fn values(blocks: &[BlockA8], out: &mut [f32]) {
+        for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK_A8)) {
+            o.iter_mut().zip(&b.qs).for_each(|(o, &q)| *o = b.d * q as f32);
+        }
+    }
+}
+
+impl Activation for BlockA8K {
+    const TYPE: ActType = ActType::A8K;
+    const BLOCK_LEN: usize = QK_A8K;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [BlockA8K] {
+        acts.a8k
+    }
+    fn values(blocks: &[BlockA8K], out: &mut [f32]) {
+        for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK_A8K)) {
+            o.iter_mut().zip(&b.qs).for_each(|(o, &q)| *o = b.d * q as f32);
+        }
     }
 }
 
@@ -271,14 +462,30 @@ pub struct Acts<'a> {
     pub f32: &'a [f32],
     /// The activations as int8 blocks `(cols / 32,)`, or empty when no matrix reads them.
     pub a8: &'a [BlockA8],
+    /// The activations as 256-wide int8 blocks `(cols / 256,)`, or empty when no matrix reads them.
+    pub a8k: &'a [BlockA8K],
 }
 
 impl WeightType {
     /// Every type, in table order.
-    pub const ALL: [WeightType; 5] =
-        [WeightType::F32, WeightType::Bf16, WeightType::F16, WeightType::Int8, WeightType::Int4];
+    pub const ALL: [WeightType; 13] = [
+        WeightType::F32,
+        WeightType::Bf16,
+        WeightType::F16,
+        WeightType::Int8,
+        WeightType::Int4,
+        WeightType::Q4_1,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+        WeightType::Q2K,
+        WeightType::Q3K,
+        WeightType::Q4K,
+        WeightType::Q5K,
+        WeightType::Q6K,
+    ];
 
-    /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`.
+    /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`,
+    /// and ggml's names in lower case for its types (`q4_1`, ..., `q6_k`).
     pub fn name(self) -> &'static str {
         with_type!(self, |F| F::NAME)
     }
@@ -311,6 +518,12 @@ impl WeightType {
     /// The activation format its dot products read.
     pub fn act(self) -> ActType {
         with_type!(self, |F| <<F as Format>::Act as Activation>::TYPE)
+    }
+
+    /// Whether its blocks read as unsigned codes about an offset
+    /// ([`Format::codes`]), which the integer matrix products need.
+    pub fn has_codes(self) -> bool {
+        with_type!(self, |F| F::codes(&F::ZERO).is_some())
     }
 
     /// Rounds `src` (whole blocks) into this type's blocks, written as bytes
@@ -440,14 +653,16 @@ mod tests {
     /// dequantize equals the reference bit for bit, the fast dot and four-row
     /// kernels agree with the reference dot, and the byte view round-trips.
     fn row_contract<F: Format>() {
-        for n in [32usize, 64, 96, 896, 4864] {
+        for n in [32usize, 64, 96, 256, 512, 896, 4864].into_iter().filter(|n| n.is_multiple_of(F::BLOCK_LEN)) {
             let w = synth(4 * n, n as u64);
             let x = synth(n, n as u64 + 1);
             let mut blocks = vec![F::ZERO; 4 * n / F::BLOCK_LEN];
             F::quantize_row(&w, &mut blocks);
             let mut a8 = vec![BlockA8::ZERO; n / QK_A8];
             quantize_activations_scalar(&x, &mut a8);
-            let acts = Acts { f32: &x, a8: &a8 };
+            let mut a8k = vec![BlockA8K::ZERO; n / QK_A8K];
+            quantize_activations_k_scalar(&x[..n / QK_A8K * QK_A8K], &mut a8k);
+            let acts = Acts { f32: &x, a8: &a8, a8k: &a8k };
             let xa = F::Act::pick(&acts);
             let rows: Vec<&[F::Block]> = blocks.chunks_exact(n / F::BLOCK_LEN).collect();
             let want: Vec<f32> = rows.iter().map(|r| F::dot_reference(r, xa)).collect();
@@ -457,7 +672,11 @@ mod tests {
             for isa in Isa::supported() {
                 let mut fast_back = vec![f32::NAN; 4 * n];
                 F::dequantize(isa, &blocks, &mut fast_back);
-                assert_eq!(fast_back, back, "{} {isa:?} dequantize n={n}", F::NAME);
+                assert!(
+                    fast_back.iter().zip(&back).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} {isa:?} dequantize n={n}",
+                    F::NAME
+                );
                 // SAFETY: `isa` is supported.
                 let four = unsafe { (F::kernels(isa.tier()).rows4)([rows[0], rows[1], rows[2], rows[3]], xa) };
                 for k in 0..4 {
@@ -481,6 +700,80 @@ mod tests {
         row_contract::<F16>();
         row_contract::<Int8>();
         row_contract::<Int4>();
+        row_contract::<Q4_1>();
+        row_contract::<Q5_0>();
+        row_contract::<Q5_1>();
+        row_contract::<Q2K>();
+        row_contract::<Q3K>();
+        row_contract::<Q4K>();
+        row_contract::<Q5K>();
+        row_contract::<Q6K>();
+    }
+
+    /// The ggml rows: the reference quantizer's round trip is within a
+    /// limit set by the type's step (uniform data in [−1, 1): a code step
+    /// `s` gives an RMSE near `s / √12`; the limits are that bound for the
+    /// type's bits plus margin for the rounded scales), the integer dot
+    /// equals the f32 dot of the dequantized weights with the activations as
+    /// the kernel sees them (up to f32 rounding), and on blocks with random
+    /// bytes (any scale, any code) the kernels still agree.
+    fn ggml_row<F: Format>(rmse_limit: f32) {
+        let n = 4864;
+        let w = synth(n, 31);
+        let x = synth(n, 32);
+        let mut q = vec![F::ZERO; n / F::BLOCK_LEN];
+        F::quantize_row(&w, &mut q);
+        let mut back = vec![0.0; n];
+        F::dequantize_reference(&q, &mut back);
+        let rmse = (w.iter().zip(&back).map(|(a, b)| (a - b).powi(2)).sum::<f32>() / n as f32).sqrt();
+        assert!(rmse < rmse_limit, "{} rmse {rmse}", F::NAME);
+        let mut a8 = vec![BlockA8::ZERO; n / QK_A8];
+        quantize_activations_scalar(&x, &mut a8);
+        let mut a8k = vec![BlockA8K::ZERO; n / QK_A8K];
+        quantize_activations_k_scalar(&x, &mut a8k);
+        let xa = F::Act::pick(&Acts { f32: &x, a8: &a8, a8k: &a8k });
+        let mut xd = vec![0.0; n];
+        F::Act::values(xa, &mut xd);
+        let want: f32 = back.iter().zip(&xd).map(|(a, b)| a * b).sum();
+        let got = F::dot_reference(&q, xa);
+        assert!((got - want).abs() <= 1e-4 * (n as f32).sqrt(), "{}: {got} vs {want}", F::NAME);
+        // Random bytes, the F16 scales kept finite and small.
+        let size = std::mem::size_of::<F::Block>();
+        let mut raw: Vec<u8> = synth(n / F::BLOCK_LEN * size, 33).iter().map(|v| (v.to_bits() >> 7) as u8).collect();
+        let blocks: &mut [F::Block] = bytemuck::cast_slice_mut(&mut raw);
+        for b in blocks.iter_mut() {
+            let bytes: &mut [u8] = bytemuck::bytes_of_mut(b);
+            // Every F16 field: the last two bytes of the block or its first
+            // four (the layouts put them there); exponent kept in range.
+            for at in [0, 2, size - 4, size - 2] {
+                bytes[at + 1] = (bytes[at + 1] & 0x83) | 0x1c;
+            }
+        }
+        let mut back = vec![0.0; n];
+        F::dequantize_reference(blocks, &mut back);
+        assert!(back.iter().all(|v| v.is_finite()), "{}", F::NAME);
+        let mag: f32 = back.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1.0);
+        let want = F::dot_reference(blocks, xa);
+        for isa in Isa::supported() {
+            let mut fast = vec![f32::NAN; n];
+            F::dequantize(isa, blocks, &mut fast);
+            assert!(fast.iter().zip(&back).all(|(a, b)| a.to_bits() == b.to_bits()), "{} {isa:?}", F::NAME);
+            let got = F::dot(isa, blocks, xa);
+            assert!((got - want).abs() <= 1e-5 * mag, "{} {isa:?} random dot {got} vs {want}", F::NAME);
+        }
+    }
+
+    #[test]
+    fn ggml_rows_round_trip_and_dot() {
+        // Steps on [−1, 1): 4 bits ≈ 2/15, 5 bits ≈ 2/31, 2 bits 2/3, 3 bits 2/7, 6 bits 2/63.
+        ggml_row::<Q4_1>(0.045);
+        ggml_row::<Q5_0>(0.022);
+        ggml_row::<Q5_1>(0.022);
+        ggml_row::<Q2K>(0.21);
+        ggml_row::<Q3K>(0.10);
+        ggml_row::<Q4K>(0.048);
+        ggml_row::<Q5K>(0.024);
+        ggml_row::<Q6K>(0.012);
     }
 
     /// No tier silently runs another tier's kernels: every tier above scalar
@@ -494,6 +787,7 @@ mod tests {
                     let k = F::kernels(tier);
                     assert_ne!(k.dot as usize, reference.dot as usize, "{} {tier:?} dot", F::NAME);
                     assert_ne!(k.rows4 as usize, reference.rows4 as usize, "{} {tier:?} rows4", F::NAME);
+                    assert_ne!(k.dequantize as usize, reference.dequantize as usize, "{} {tier:?} dequantize", F::NAME);
                 }
             }
         }
@@ -502,6 +796,14 @@ mod tests {
         distinct::<F16>();
         distinct::<Int8>();
         distinct::<Int4>();
+        distinct::<Q4_1>();
+        distinct::<Q5_0>();
+        distinct::<Q5_1>();
+        distinct::<Q2K>();
+        distinct::<Q3K>();
+        distinct::<Q4K>();
+        distinct::<Q5K>();
+        distinct::<Q6K>();
     }
 
     #[test]
@@ -512,6 +814,25 @@ mod tests {
         }
         assert_eq!(WeightType::Int8.block_bytes(), 34);
         assert_eq!(WeightType::Int4.block_bytes(), 18);
+        // ggml's sizes (`GGML_QUANT_SIZES`).
+        for (ty, len, bytes) in [
+            (WeightType::Q4_1, 32, 20),
+            (WeightType::Q5_0, 32, 22),
+            (WeightType::Q5_1, 32, 24),
+            (WeightType::Q2K, 256, 84),
+            (WeightType::Q3K, 256, 110),
+            (WeightType::Q4K, 256, 144),
+            (WeightType::Q5K, 256, 176),
+            (WeightType::Q6K, 256, 210),
+        ] {
+            assert_eq!((ty.block_len(), ty.block_bytes()), (len, bytes), "{ty}");
+            assert!(!ty.is_quantized(), "{ty} is read, not made by --quant");
+            let act = if len == 256 { ActType::A8K } else { ActType::A8 };
+            assert_eq!(ty.act(), act, "{ty}");
+        }
+        assert_eq!(WeightType::from_name("Q4_K"), Some(WeightType::Q4K));
+        assert!(WeightType::Int8.has_codes() && WeightType::Q5_0.has_codes());
+        assert!(!WeightType::Q4_1.has_codes() && !WeightType::Q4K.has_codes() && !WeightType::Bf16.has_codes());
         assert_eq!(WeightType::Bf16.block_len(), 1);
         assert_eq!(WeightType::Int4.act(), ActType::A8);
         assert!(WeightType::Int4.is_quantized() && !WeightType::Bf16.is_quantized());
