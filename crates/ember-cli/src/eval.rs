@@ -12,7 +12,7 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Model folder (HF layout) or GGUF file (F32/F16/BF16/Q8_0/Q4_0 tensors). Default: the folder `cargo xtask fetch` fills.
+    /// Model folder (HF layout) or GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K tensors). Default: the folder `cargo xtask fetch` fills.
     #[arg(short, long)]
     model: Option<PathBuf>,
 

@@ -212,6 +212,19 @@ fn bad_files_are_errors_that_name_the_problem() {
     let mut w = Writer::new();
     w.tensor("t", &[30], 8, vec![0; 34]);
     assert!(parse_err(&w.bytes()).contains("not a whole number of 32-weight blocks"));
+    // A K type's rows are whole 256-weight super-blocks (this model's 896
+    // are not: llama.cpp falls back to other types for such rows).
+    for (ty, bytes) in [(10, 84), (11, 110), (12, 144), (13, 176), (14, 210)] {
+        let mut w = Writer::new();
+        w.tensor("blk.0.attn_q.weight", &[896, 2], ty, vec![0; 8 * bytes]);
+        let e = parse_err(&w.bytes());
+        assert!(e.contains("has rows of 896 weights, not a whole number of 256-weight blocks"), "{e}");
+    }
+    // A K tensor whose data runs past the end of the file.
+    let mut w = Writer::new();
+    w.tensor("t", &[512, 2], 12, vec![0; 144 * 3]);
+    let e = parse_err(&w.bytes());
+    assert!(e.contains("tensor `t`'s data (576 bytes at offset 0) runs past the end of the file"), "{e}");
     let mut w = Writer::new();
     w.tensor("t", &[1 << 32, 1 << 32, 1 << 32], 0, vec![]);
     assert!(parse_err(&w.bytes()).contains("overflow"));
