@@ -258,17 +258,25 @@ fn the_fetched_q4_k_m_file_runs_in_place() {
     }
 }
 
-/// `n` greedy ids after `ids`, each with its top-2 logit margin.
+/// `n` greedy ids after `ids`, each with its top-2 logit margin (the
+/// prompt in one block, then one token at a time on the cache).
 fn greedy_with_margins(m: &ember_model::advanced::Qwen2, ids: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let (mut seq, mut out, mut margins) = (ids.to_vec(), Vec::new(), Vec::new());
-    for _ in 0..n {
-        let l = last_logits(m, &seq);
-        let mut order: Vec<usize> = (0..l.len()).collect();
-        order.select_nth_unstable_by(1, |&i, &j| l[j].total_cmp(&l[i]));
-        let (a, b) = if l[order[0]] >= l[order[1]] { (order[0], order[1]) } else { (order[1], order[0]) };
+    use ember_model::advanced::{BatchToken, Scratch};
+    let mut cache = m.new_cache(ids.len() + n);
+    let mut scratch = Scratch::default();
+    let (mut out, mut margins) = (Vec::new(), Vec::new());
+    let mut batch: Vec<BatchToken> = ids
+        .iter()
+        .enumerate()
+        .map(|(p, &token)| BatchToken { token, seq: 0, pos: p, logits: p + 1 == ids.len() })
+        .collect();
+    for step in 0..n {
+        let l = m.forward(&batch, &mut [&mut cache], &mut scratch).unwrap().to_vec();
+        let a = (0..l.len()).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap();
+        let b = (0..l.len()).filter(|&i| i != a).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap();
         margins.push(l[a] - l[b]);
         out.push(a as u32);
-        seq.push(a as u32);
+        batch = vec![BatchToken { token: a as u32, seq: 0, pos: ids.len() + step, logits: true }];
     }
     (out, margins)
 }
