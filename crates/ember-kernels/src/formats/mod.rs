@@ -349,7 +349,8 @@ pub trait Format: Sized + 'static {
 
 /// A block of 32 weights as unsigned codes: weight `j` = `d · (u[j] − offset)`.
 /// The formats are symmetric about their offset, codes below `2 · offset`
-/// (INT8: 0..=255 about 128, INT4: 0..=15 about 8), so `u − offset` is an i8.
+/// (INT8: 0..=255 about 128, INT4: 0..=15 about 8, Q5_0: 0..=31 about 16),
+/// so `u − offset` is an i8.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Codes {
     /// The block's scale.
