@@ -99,11 +99,23 @@ pub fn available(isa: Isa) -> bool {
 }
 
 /// Whether the f32 kernel over the same panels ([`matmul_rows_f32`]) can
-/// run on `isa`: the AVX-512 tiers, by name.
+/// run on `isa`: every x86 tier (a 256-bit kernel on `avx2` and `avxvnni`,
+/// a 512-bit one on the AVX-512 tiers), by name.
 pub fn f32_available(isa: Isa) -> bool {
     match isa.tier() {
+        Tier::Scalar => false,
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            cfg!(target_arch = "x86_64")
+        }
+    }
+}
+
+/// Whether `isa` runs the 512-bit forms of this module's kernels (else the
+/// 256-bit ones), by name.
+fn wide(isa: Isa) -> bool {
+    match isa.tier() {
         Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => false,
-        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => cfg!(target_arch = "x86_64"),
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => true,
     }
 }
 
@@ -115,6 +127,8 @@ pub fn f32_handles(cols: usize) -> bool {
 
 /// Activation bytes a block of tokens may take, so that it stays in L2
 /// (2 MB per core on the Xeons measured, 1 MB on Zen 4) beside the panel.
+/// (On Zen 3, 512 KB of L2, half of it measured slower, pp512 141-145
+/// against 147-150 tok/s, and twice it the same.)
 const TOKEN_BLOCK_BYTES: usize = 768 * 1024;
 
 /// Tokens per block for activations of `bytes_per_token`: as many as fit
@@ -244,10 +258,17 @@ fn pack_panel(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, p
         for (line, d) in done.iter_mut().enumerate() {
             let first = rows.start + 16 * line;
             if first + 16 <= rows.end {
-                *d = pairs / 16 * 16;
-                // SAFETY: AVX-512F is present (`f32_available`); rows
-                // `first..first + 16` exist and have `pairs` words each.
-                unsafe { avx512::pack_line(w[first * cols..].as_ptr() as *const u32, pairs, *d, panel, line) };
+                let src = w[first * cols..].as_ptr() as *const u32;
+                if wide(isa) {
+                    *d = pairs / 16 * 16;
+                    // SAFETY: AVX-512F is present (`wide`); rows
+                    // `first..first + 16` exist and have `pairs` words each.
+                    unsafe { avx512::pack_line(src, pairs, *d, panel, line) };
+                } else {
+                    *d = pairs / 8 * 8;
+                    // SAFETY: AVX2 is present (`f32_available`); as above.
+                    unsafe { avx2::pack_line(src, pairs, *d, panel, line) };
+                }
             }
         }
     }
@@ -350,15 +371,19 @@ pub fn matmul_rows(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usiz
 
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread in f32, `w (·, cols)`
 /// BF16 packed into the same panels, `x (T, cols)` f32 as it is: the exact
-/// precision's product on the AVX-512 tiers, and the fast one where
-/// `vdpbf16ps` does not pay off.
+/// precision's product on every x86 tier, and the fast one where
+/// `vdpbf16ps` is missing or does not pay off.
 ///
-/// Per column pair the kernel widens the panel's two lines into four
+/// Per column pair the 512-bit kernel widens the panel's two lines into four
 /// 16-row vectors of f32 (a shift and a mask: BF16 is f32's upper half),
 /// then each token's two activations, broadcast, meet them in 4 FMAs: 48
 /// FMAs per 2 loads and 4 integer operations, 24 accumulators holding
-/// outputs, so no horizontal sums. Each output is summed over its columns
-/// in order, in f32 with fused multiply-adds.
+/// outputs, so no horizontal sums. The 256-bit kernel (16 registers) takes
+/// one line (16 rows) and 6 tokens at a time: per pair, the line's even
+/// columns widened into two 8-row vectors meet 6 broadcasts in 12 FMAs,
+/// then its odd columns in 12 more, 12 accumulators holding outputs. Each
+/// output is summed over its columns in order, in f32 with fused
+/// multiply-adds, so both kernels give the reference's bits.
 pub fn matmul_rows_f32(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<usize>, x: &[f32], out: &Out) {
     assert!(f32_available(isa), "the f32 panel kernel needs an AVX-512 tier");
     assert!(f32_handles(cols) && rows.end * cols <= w.len() && x.len().is_multiple_of(cols.max(1)));
@@ -367,22 +392,19 @@ pub fn matmul_rows_f32(isa: Isa, w: &[bf16], cols: usize, rows: std::ops::Range<
     for_each_tile(isa, w, cols, rows, tokens, token_block(4 * cols), |Tile { panel, r0, r1, t0, n, ahead }| {
         // SAFETY: as in `matmul_rows`.
         let y = unsafe { out.data.ptr(t0 * out.stride + r0, (t0 + n - 1) * out.stride + r1) };
+        let (p, xs) = (panel.as_ptr() as *const u32, &x[t0 * cols..(t0 + n) * cols]);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512F is present (`f32_available`); the panel holds
-        // `pairs` pairs of 32 rows, `x` `n` tokens of `cols` from `t0`, and
-        // `y` reaches the last lane written.
-        unsafe {
-            avx512::tile_f32(
-                n,
-                panel.as_ptr() as *const u32,
-                pairs,
-                &x[t0 * cols..(t0 + n) * cols],
-                y,
-                out.stride,
-                row_masks(r1 - r0),
-                ahead,
-            )
-        };
+        if wide(isa) {
+            // SAFETY: AVX-512F is present (`wide`); the panel holds `pairs`
+            // pairs of 32 rows, `x` `n` tokens of `cols` from `t0`, and `y`
+            // reaches the last lane written.
+            unsafe { avx512::tile_f32(n, p, pairs, xs, y, out.stride, row_masks(r1 - r0), ahead) };
+        } else {
+            // SAFETY: AVX2 and FMA are present (`f32_available`); as above.
+            unsafe { avx2::tile_f32(n, p, pairs, xs, y, out.stride, r1 - r0, ahead) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (p, xs, y, ahead);
     })
 }
 
@@ -431,6 +453,198 @@ pub fn matmul_reference(w: &[bf16], cols: usize, x: &Acts, y: &mut [f32]) {
                 }
             }
             y[t * rows + r] = s;
+        }
+    }
+}
+
+/// The 256-bit kernels over the same panels: a line (16 rows of a column
+/// pair, 64 bytes) is two 8-lane registers.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::NR;
+    use std::arch::x86_64::*;
+
+    /// Most tokens per call of the 16-row kernel: 2 × 6 accumulators, the
+    /// two widened weight registers, the broadcast and the mask make 16.
+    const NR16: usize = 6;
+
+    #[cfg(test)]
+    pub fn transpose_for_test(r: [[u32; 8]; 8]) -> [[u32; 8]; 8] {
+        // SAFETY: only called when AVX2 is present.
+        unsafe {
+            let v = transpose8(std::array::from_fn(|i| std::mem::transmute::<[u32; 8], __m256i>(r[i])));
+            v.map(|x| std::mem::transmute::<__m256i, [u32; 8]>(x))
+        }
+    }
+
+    /// Packs line `line` (rows 16·line..) of a panel from 16 whole rows at
+    /// `w` (`pairs` words apart), pairs `0..upto` (a multiple of 8): 8 rows
+    /// × 8 pairs at a time, an 8 × 8 word transpose.
+    ///
+    /// # Safety
+    /// AVX2; 16 rows of `pairs` words at `w`; `panel` of `2 · pairs` lines.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn pack_line(w: *const u32, pairs: usize, upto: usize, panel: &mut [super::Line], line: usize) {
+        debug_assert!(upto.is_multiple_of(8) && upto <= pairs && panel.len() >= 2 * pairs);
+        for p0 in (0..upto).step_by(8) {
+            for half in 0..2 {
+                let r: [__m256i; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_si256(w.add((8 * half + i) * pairs + p0) as *const __m256i));
+                for (j, v) in transpose8(r).iter().enumerate() {
+                    let dst = (panel.as_mut_ptr().add(2 * (p0 + j) + line) as *mut u32).add(8 * half);
+                    _mm256_store_si256(dst as *mut __m256i, *v);
+                }
+            }
+        }
+    }
+
+    /// An 8 × 8 transpose of 32-bit words: `out[j]` lane `i` = `r[i]` lane
+    /// `j`. Words, then pairs of words, are interleaved within 128-bit
+    /// lanes; then the 128-bit halves are exchanged.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4k + c], 128-bit half h: rows 4k..4k+4 of column 4h + c.
+        let u: [__m256i; 8] = std::array::from_fn(|i| {
+            let (k, c) = (i / 4, i % 4);
+            let (a, b) = (t[4 * k + c / 2], t[4 * k + 2 + c / 2]);
+            if c % 2 == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            }
+        });
+        std::array::from_fn(|j| {
+            let (a, b) = (u[j % 4], u[4 + j % 4]);
+            if j < 4 {
+                _mm256_permute2x128_si256::<0x20>(a, b)
+            } else {
+                _mm256_permute2x128_si256::<0x31>(a, b)
+            }
+        })
+    }
+
+    /// The f32 micro-kernel for `n ≤ NR` tokens of `x` (`2 · pairs` floats
+    /// each) against a 32-row panel: `y[j][0..valid] = panel · x[j]`, one
+    /// line (16 rows) and up to 6 tokens per pass over the panel.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `panel` holds `pairs` × 32 words, `x` `n` tokens, `y`
+    /// rows `j · y_stride` up to lane `valid ≤ 32`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_f32(
+        n: usize,
+        panel: *const u32,
+        pairs: usize,
+        x: &[f32],
+        y: *mut f32,
+        y_stride: usize,
+        valid: usize,
+        ahead: &[u8],
+    ) {
+        macro_rules! by_n {
+            ($m:expr, $line:expr, $x:expr, $y:expr, $stride:expr, $ahead:expr; $($n:literal)*) => {
+                match $m {
+                    $($n => tile16_n::<$n>(panel.add(16 * $line), pairs, $x, $y, $stride, $ahead),)*
+                    _ => unreachable!("1..=6 tokens"),
+                }
+            };
+        }
+        debug_assert!((1..=NR).contains(&n) && x.len() == n * 2 * pairs && valid <= 32);
+        let cols = 2 * pairs;
+        // Passes of equal size (8 tokens: 4 + 4, not 6 + 2): a pass of few
+        // tokens is bound by its loads, not its FMAs.
+        let passes = n.div_ceil(NR16);
+        let mut ahead = ahead;
+        for line in 0..valid.div_ceil(16) {
+            let rows = (valid - 16 * line).min(16);
+            for pass in 0..passes {
+                let (j0, j1) = (pass * n / passes, (pass + 1) * n / passes);
+                let m = j1 - j0;
+                let xs = x.as_ptr().add(j0 * cols);
+                let mut buf = [[0.0f32; 16]; NR16];
+                let (dst, stride) = if rows == 16 {
+                    (y.add(j0 * y_stride + 16 * line), y_stride)
+                } else {
+                    (buf.as_mut_ptr() as *mut f32, 16)
+                };
+                by_n!(m, line, xs, dst, stride, ahead; 1 2 3 4 5 6);
+                // Only the first pass fetches the next panel. (Spread over
+                // every pass, with a counter in the loop, pp512 fell from
+                // 186 to 147 tok/s on Zen 3.)
+                ahead = &[];
+                if rows < 16 {
+                    for (j, b) in buf.iter().enumerate().take(m) {
+                        std::ptr::copy_nonoverlapping(b.as_ptr(), y.add((j0 + j) * y_stride + 16 * line), rows);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One line (16 rows at `line`, 32 words apart per pair) against `N`
+    /// tokens: `y[j][0..16] = line · x[j]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile16_n<const N: usize>(
+        line: *const u32,
+        pairs: usize,
+        x: *const f32,
+        y: *mut f32,
+        y_stride: usize,
+        ahead: &[u8],
+    ) {
+        let cols = 2 * pairs;
+        let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for p in 0..pairs {
+            prefetch_ahead(ahead, p);
+            let l = line.add(p * 32) as *const __m256i;
+            // Column 2p is each word's low half, 2p + 1 its high half.
+            let even = [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_load_si256(l))),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_load_si256(l.add(1)))),
+            ];
+            for (j, a) in acc.iter_mut().enumerate() {
+                let x0 = _mm256_broadcast_ss(&*x.add(j * cols + 2 * p));
+                a[0] = _mm256_fmadd_ps(even[0], x0, a[0]);
+                a[1] = _mm256_fmadd_ps(even[1], x0, a[1]);
+            }
+            let odd = [
+                _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(l), high)),
+                _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(l.add(1)), high)),
+            ];
+            for (j, a) in acc.iter_mut().enumerate() {
+                let x1 = _mm256_broadcast_ss(&*x.add(j * cols + 2 * p + 1));
+                a[0] = _mm256_fmadd_ps(odd[0], x1, a[0]);
+                a[1] = _mm256_fmadd_ps(odd[1], x1, a[1]);
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(y.add(j * y_stride), a[0]);
+            _mm256_storeu_ps(y.add(j * y_stride + 8), a[1]);
+        }
+    }
+
+    /// At column pair `p` of a panel (32 rows: 128 bytes of BF16), the same
+    /// share of the next panel's bytes, into L2.
+    #[inline(always)]
+    fn prefetch_ahead(ahead: &[u8], p: usize) {
+        if let Some(line) = ahead.get(128 * p..) {
+            // SAFETY: a prefetch never faults; SSE is baseline on x86-64.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().wrapping_add(64) as *const i8);
+            }
         }
     }
 }
@@ -744,24 +958,51 @@ mod tests {
 
     #[test]
     fn the_f32_kernel_matches_its_twin() {
-        let Some(isa) = Isa::supported().into_iter().find(|&i| f32_available(i)) else {
-            eprintln!("no AVX-512 here: the f32 panel kernel is covered on machines that have it");
+        let isas: Vec<Isa> = Isa::supported().into_iter().filter(|&i| f32_available(i)).collect();
+        if isas.is_empty() {
+            eprintln!("no x86 tier here: the f32 panel kernels are covered on machines that have one");
+        }
+        // Ragged rows (mod 16, mod 32), tokens (mod 6, mod 12, and past a
+        // token block: 4864 columns take 36 tokens per block), pairs (mod 8,
+        // mod 16).
+        for isa in isas {
+            for (rows, cols, t) in [
+                (1, 2, 1),
+                (5, 10, 2),
+                (17, 34, 13),
+                (64, 128, 25),
+                (40, 896, 12),
+                (33, 4864, 50),
+                (48, 46, 7),
+                (16, 32, 6),
+            ] {
+                let w: Vec<bf16> = synth(rows * cols, rows as u64).iter().map(|&v| bf16::from_f32(v)).collect();
+                let x = synth(t * cols, t as u64 + 5);
+                let mut want = vec![0.0; t * rows];
+                matmul_f32_reference(&w, cols, &x, &mut want);
+                let mut y = vec![f32::NAN; t * rows];
+                let out = Out::new(&mut y, rows);
+                let mid = ((rows / 2).div_ceil(PANEL) * PANEL).min(rows);
+                matmul_rows_f32(isa, &w, cols, 0..mid, &x, &out);
+                matmul_rows_f32(isa, &w, cols, mid..rows, &x, &out);
+                for (a, b) in y.iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-6 * (cols as f32), "{isa:?} {rows}x{cols} t={t}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_8x8_transpose_transposes() {
+        if !Isa::supported().into_iter().any(f32_available) {
             return;
-        };
-        // Ragged rows (mod 16, mod 32), tokens (mod 12, and past a token
-        // block: 4864 columns take 36 tokens per block).
-        for (rows, cols, t) in [(1, 2, 1), (5, 10, 2), (17, 34, 13), (64, 128, 25), (40, 896, 12), (33, 4864, 50)] {
-            let w: Vec<bf16> = synth(rows * cols, rows as u64).iter().map(|&v| bf16::from_f32(v)).collect();
-            let x = synth(t * cols, t as u64 + 5);
-            let mut want = vec![0.0; t * rows];
-            matmul_f32_reference(&w, cols, &x, &mut want);
-            let mut y = vec![f32::NAN; t * rows];
-            let out = Out::new(&mut y, rows);
-            let mid = ((rows / 2).div_ceil(PANEL) * PANEL).min(rows);
-            matmul_rows_f32(isa, &w, cols, 0..mid, &x, &out);
-            matmul_rows_f32(isa, &w, cols, mid..rows, &x, &out);
-            for (a, b) in y.iter().zip(&want) {
-                assert!((a - b).abs() <= 1e-6 * (cols as f32), "{rows}x{cols} t={t}: {a} vs {b}");
+        }
+        let r: [[u32; 8]; 8] = std::array::from_fn(|i| std::array::from_fn(|j| (i * 100 + j) as u32));
+        let t = avx2::transpose_for_test(r);
+        for i in 0..8 {
+            for j in 0..8 {
+                assert_eq!(t[j][i], r[i][j]);
             }
         }
     }

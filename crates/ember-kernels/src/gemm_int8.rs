@@ -347,6 +347,32 @@ mod avx2 {
         let groups = rolled(SLOTS - 1);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        if !SIGNED && sums_fit_i16(offset) {
+            // Every group's pair sums of a block added in i16, then one
+            // `vpmaddwd` per register: 18 multiplying instructions per block
+            // and token instead of 32.
+            for b in 0..blocks {
+                let p = panel.add(b * SLOTS * YMM_ROWS);
+                let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
+                let mut s16 = [[_mm256_setzero_si256(); 2]; N];
+                for g in 0..groups {
+                    let w0 = _mm256_load_si256(p.add(YMM_ROWS * g) as *const _);
+                    let w1 = _mm256_load_si256(p.add(YMM_ROWS * g + 8) as *const _);
+                    for (j, s) in s16.iter_mut().enumerate() {
+                        let q = _mm256_set1_epi32((xb[j].qs.as_ptr().add(4 * g) as *const i32).read_unaligned());
+                        s[0] = _mm256_add_epi16(s[0], _mm256_maddubs_epi16(w0, q));
+                        s[1] = _mm256_add_epi16(s[1], _mm256_maddubs_epi16(w1, q));
+                    }
+                }
+                let mut dot = start(&xb, offset);
+                for (d, s) in dot.iter_mut().zip(&s16) {
+                    d[0] = _mm256_add_epi32(d[0], _mm256_madd_epi16(s[0], ones));
+                    d[1] = _mm256_add_epi32(d[1], _mm256_madd_epi16(s[1], ones));
+                }
+                scale(&mut acc, &dot, p.add(YMM_ROWS * (SLOTS - 1)), &xb);
+            }
+            return store(&acc, y, y_stride, valid);
+        }
         for b in 0..blocks {
             let p = panel.add(b * SLOTS * YMM_ROWS);
             let xb: [&BlockA8; N] = std::array::from_fn(|j| &*x.add(j * blocks + b));
@@ -427,6 +453,14 @@ mod avx2 {
             scale(&mut acc, &dot, p.add(YMM_ROWS * (SLOTS - 1)), &xb);
         }
         store(&acc, y, y_stride, valid);
+    }
+
+    /// Whether a whole block's `vpmaddubsw` pair sums of unsigned codes
+    /// below `2 · offset` add up in an i16: 8 groups × 2 products × the
+    /// largest code × 127 (INT4: 8 · 2 · 15 · 127 = 30 480 ≤ 32 767).
+    #[inline]
+    fn sums_fit_i16(offset: i32) -> bool {
+        (SLOTS as i32 - 1) * 2 * (2 * offset - 1) * 127 <= i16::MAX as i32
     }
 
     /// Each token's integer accumulators for a block, started at

@@ -13,8 +13,8 @@
 //! | INT8/INT4 at fast precision | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
-//! | BF16, ≤ 8 tokens whose activations fit L1, AVX-512 | `few_tokens_rows`: rows streamed like a mat-vec |
-//! | BF16 otherwise, AVX-512 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
+//! | BF16, ≤ 8 tokens whose activations fit L1, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
+//! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
 //! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
 //!
 //! In the last, tokens go in blocks of [`TOKEN_BLOCK`] so the activations a
@@ -180,8 +180,9 @@ const SMALL_BATCH_BYTES: usize = 40 * 1024;
 /// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]) over BF16
 /// weights, as a mat-vec of several vectors: each pair of weight rows is
 /// read from memory once, widened in registers, and multiplied with every
-/// token (up to 16 accumulators), the tokens staying in L1. No panel is
-/// widened first, so the memory reads and the arithmetic overlap.
+/// token (up to 16 accumulators on AVX-512, both rows at once; 8 on AVX2,
+/// a row at a time), the tokens staying in L1. No panel is widened first,
+/// so the memory reads and the arithmetic overlap.
 ///
 /// The rows go in four interleaved streams (the share's quarters), as the
 /// mat-vec's do: the hardware prefetcher follows each stream separately, so
@@ -197,60 +198,98 @@ fn few_tokens_rows(
     x: &[f32],
     out: &Out,
 ) -> bool {
-    match isa.tier() {
-        Tier::Scalar | Tier::Avx2 | Tier::AvxVnni => false,
-        #[cfg(target_arch = "x86_64")]
-        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-            let t = x.len() / cols;
-            debug_assert!((1..=SMALL_BATCH).contains(&t));
-            let row = |i: usize| &w[i * cols..(i + 1) * cols];
-            // The kernel splits each 32 weights into even and odd columns;
-            // the activations are split the same way once here.
-            let mut xp = FEW_X.with(|b| std::mem::take(&mut *b.borrow_mut()));
-            xp.clear();
-            split_for_few(x, cols, &mut xp);
-            let write = |r: usize, y: &[f32; SMALL_BATCH]| {
-                for (j, &v) in y.iter().take(t).enumerate() {
-                    // SAFETY: this thread owns columns `rows` of every
-                    // output row, `r` among them.
-                    unsafe { out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] = v };
-                }
+    // Whether the kernels are 512 bits wide, and how many columns they widen
+    // per load (the width of the even/odd split of the activations).
+    let (wide, width) = match isa.tier() {
+        Tier::Scalar => return false,
+        Tier::Avx2 | Tier::AvxVnni => (false, 16),
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => (true, 32),
+    };
+    let t = x.len() / cols;
+    debug_assert!((1..=SMALL_BATCH).contains(&t));
+    let row = |i: usize| &w[i * cols..(i + 1) * cols];
+    // The kernel splits each `width` weights into even and odd columns;
+    // the activations are split the same way once here.
+    let mut xp = FEW_X.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    split_for_few(x, cols, width, &mut xp);
+    let write = |r: usize, y: &[f32; SMALL_BATCH]| {
+        for (j, &v) in y.iter().take(t).enumerate() {
+            // SAFETY: this thread owns columns `rows` of every output row,
+            // `r` among them.
+            unsafe { out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] = v };
+        }
+    };
+    // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2 and 3 (n
+    // odd), i = n / 2; then the ragged rest two by two.
+    let q = rows.len() / 4;
+    let rest = rows.start + 4 * q;
+    let pair = |n: usize| -> Option<[usize; 2]> {
+        if n < 2 * q {
+            let first = rows.start + 2 * (n % 2) * q + n / 2;
+            Some([first, first + q])
+        } else {
+            let r = rest + 2 * (n - 2 * q);
+            (r < rows.end).then(|| [r, (r + 1).min(rows.end - 1)])
+        }
+    };
+    // The rows two pairs on in each stream, to be read from memory while
+    // pair `n`'s are multiplied.
+    let ahead = |n: usize| pair(n + 4).or(pair(n)).map(|p| p.map(|r| row(r).as_ptr()));
+    let mut n = 0;
+    while let Some([r0, r1]) = pair(n) {
+        let mut y = [[0.0f32; SMALL_BATCH]; 2];
+        if wide {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F is present (`isa` is the proof); both rows
+            // hold `cols` values, `xp` `t` tokens split for `width`.
+            unsafe {
+                y = avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead(n).unwrap_or([row(r0).as_ptr(); 2]))
             };
-            // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2
-            // and 3 (n odd), i = n / 2; then the ragged rest two by two.
-            let q = rows.len() / 4;
-            let rest = rows.start + 4 * q;
-            let pair = |n: usize| -> Option<[usize; 2]> {
-                if n < 2 * q {
-                    let first = rows.start + 2 * (n % 2) * q + n / 2;
-                    Some([first, first + q])
-                } else {
-                    let r = rest + 2 * (n - 2 * q);
-                    (r < rows.end).then(|| [r, (r + 1).min(rows.end - 1)])
-                }
-            };
-            let mut n = 0;
-            while let Some([r0, r1]) = pair(n) {
-                // The rows two pairs on in each stream, to be read from
-                // memory while these are multiplied.
-                let ahead = pair(n + 4).unwrap_or([r0, r1]).map(|r| row(r).as_ptr());
-                // SAFETY: AVX-512F is present (`isa` is the proof); both rows
-                // hold `cols` values, `xp` `t` tokens.
-                let y = unsafe { avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead) };
-                write(r0, &y[0]);
-                if r1 != r0 {
-                    write(r1, &y[1]);
-                }
-                n += 1;
+            write(r0, &y[0]);
+            if r1 != r0 {
+                write(r1, &y[1]);
             }
-            FEW_X.with(|b| *b.borrow_mut() = xp);
-            true
+            n += 1;
+            continue;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-            unreachable!("x86 tiers are only detected on x86")
+        // 256 bits: 4 tokens at a time, the rows streaming in on the first
+        // pass and read from L1 on the next. (Taking the passes over groups
+        // of 8 pairs instead, so that 4 tokens' activations stay in L1 while
+        // the group's rows stream in, measured slower: 8 sequences at 69-75
+        // against 76-83 tok/s on Zen 3.)
+        let passes = t.div_ceil(avx2_pass());
+        for pass in 0..passes {
+            let (j0, j1) = (pass * t / passes, (pass + 1) * t / passes);
+            let fetch = (pass == 0).then(|| ahead(n)).flatten();
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
+            // rows hold `cols` values, `xp` `t` tokens split for `width`,
+            // `j1 - j0 ≤ PASS`.
+            unsafe {
+                let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, j0, j1 - j0, fetch);
+                for (yi, pi) in y.iter_mut().zip(&part) {
+                    yi[j0..j1].copy_from_slice(&pi[..j1 - j0]);
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (fetch, j0, j1);
         }
+        write(r0, &y[0]);
+        if r1 != r0 {
+            write(r1, &y[1]);
+        }
+        n += 1;
     }
+    FEW_X.with(|b| *b.borrow_mut() = xp);
+    true
+}
+
+/// Tokens per pass of the 256-bit few-token kernel.
+fn avx2_pass() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::PASS;
+    #[cfg(not(target_arch = "x86_64"))]
+    return SMALL_BATCH;
 }
 
 thread_local! {
@@ -258,18 +297,18 @@ thread_local! {
     static FEW_X: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `x (T, cols)` laid out for [`few_tokens_rows`]' kernel: for each whole
-/// 32 columns, every token's 16 even columns then its 16 odd ones (the
-/// order in which the kernel widens BF16 words; the tokens side by side,
-/// so the kernel reaches each at a fixed offset); then every token's ragged
-/// end as it is.
-fn split_for_few(x: &[f32], cols: usize, xp: &mut Vec<f32>) {
-    let (t, whole) = (x.len() / cols, cols / 32 * 32);
+/// `x (T, cols)` laid out for [`few_tokens_rows`]' kernels, which widen
+/// `width` BF16 weights per load into even and odd columns: for each whole
+/// `width` columns, every token's `width / 2` even columns then its odd
+/// ones (the tokens side by side, so a kernel reaches each at a fixed
+/// offset); then every token's ragged end as it is.
+fn split_for_few(x: &[f32], cols: usize, width: usize, xp: &mut Vec<f32>) {
+    let (t, whole, half) = (x.len() / cols, cols / width * width, width / 2);
     xp.clear();
-    for c in (0..whole).step_by(32) {
+    for c in (0..whole).step_by(width) {
         for j in 0..t {
-            let chunk = &x[j * cols + c..j * cols + c + 32];
-            xp.extend((0..16).map(|i| chunk[2 * i]).chain((0..16).map(|i| chunk[2 * i + 1])));
+            let chunk = &x[j * cols + c..j * cols + c + width];
+            xp.extend((0..half).map(|i| chunk[2 * i]).chain((0..half).map(|i| chunk[2 * i + 1])));
         }
     }
     for j in 0..t {
@@ -549,9 +588,116 @@ pub fn matmul_swiglu(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{TileKernel, MR, NR};
+    use super::{TileKernel, MR, NR, SMALL_BATCH};
+    use crate::formats::bf16;
     use crate::formats::float::avx2::hsum;
     use std::arch::x86_64::*;
+
+    /// Most tokens per pass of [`rows2_pass`]: 2 rows × 4 tokens of
+    /// accumulators, the 4 widened weight registers, a token's two
+    /// activation registers and the mask make 15 of 16 registers.
+    pub const PASS: usize = 4;
+
+    /// Two BF16 rows against tokens `j0..j0 + m` (`m ≤ PASS`) of `n` laid
+    /// out by [`super::split_for_few`] with width 16: `y[i][j] = w[i] ·
+    /// x[j0 + j]`. Per 16 columns, one load per row widened by a shift (even
+    /// columns) and a mask (odd ones), each token's even and odd activations
+    /// loaded once for both rows. Prefetches `ahead` (when given) as `w` is
+    /// read.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn rows2_pass(
+        w: [&[bf16]; 2],
+        xs: &[f32],
+        n: usize,
+        j0: usize,
+        m: usize,
+        ahead: Option<[*const bf16; 2]>,
+    ) -> [[f32; PASS]; 2] {
+        let len = w[0].len();
+        assert!(w[1].len() == len && xs.len() == n * len && j0 + m <= n && n <= SMALL_BATCH);
+        match m {
+            1 => rows2_n::<1>(w, xs, n, j0, ahead),
+            2 => rows2_n::<2>(w, xs, n, j0, ahead),
+            3 => rows2_n::<3>(w, xs, n, j0, ahead),
+            4 => rows2_n::<4>(w, xs, n, j0, ahead),
+            _ => unreachable!("passes of 1..=4 tokens"),
+        }
+    }
+
+    /// Lane `i` of the result is the sum of `v[i]`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn reduce8(v: [__m256; 8]) -> __m256 {
+        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
+        // Half h of g[k]: 2-lane sums of v[4k..4k + 4]'s half h, in order.
+        let g = [_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])];
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g[0], g[1]), _mm256_permute2f128_ps::<0x31>(g[0], g[1]))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows2_n<const N: usize>(
+        w: [&[bf16]; 2],
+        xs: &[f32],
+        n: usize,
+        j0: usize,
+        ahead: Option<[*const bf16; 2]>,
+    ) -> [[f32; PASS]; 2] {
+        let len = w[0].len();
+        let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        // c[j][i]: token j, row i.
+        let mut c = [[_mm256_setzero_ps(); 2]; N];
+        let mut k = 0;
+        let mut x = xs.as_ptr().add(16 * j0);
+        while k + 16 <= len {
+            if let Some(a) = ahead {
+                if k % 32 == 0 {
+                    // One cache line of each row every 32 columns.
+                    _mm_prefetch::<_MM_HINT_T2>(a[0].wrapping_add(k) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T2>(a[1].wrapping_add(k) as *const i8);
+                }
+            }
+            let v = [
+                _mm256_loadu_si256(w[0].as_ptr().add(k) as *const __m256i),
+                _mm256_loadu_si256(w[1].as_ptr().add(k) as *const __m256i),
+            ];
+            let even = v.map(|v| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)));
+            let odd = v.map(|v| _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+            for (j, cj) in c.iter_mut().enumerate() {
+                let (xe, xo) = (_mm256_loadu_ps(x.add(16 * j)), _mm256_loadu_ps(x.add(16 * j + 8)));
+                cj[0] = _mm256_fmadd_ps(odd[0], xo, _mm256_fmadd_ps(even[0], xe, cj[0]));
+                cj[1] = _mm256_fmadd_ps(odd[1], xo, _mm256_fmadd_ps(even[1], xe, cj[1]));
+            }
+            x = x.add(16 * n);
+            k += 16;
+        }
+        // The ragged ends, token after token (each `rest` long, after the
+        // whole groups of every token).
+        let rest = len - k;
+        let tail = xs.as_ptr().add(k * n);
+        let sums: [f32; 8] = std::mem::transmute(reduce8(std::array::from_fn(|v| {
+            let (i, j) = (v / PASS, v % PASS);
+            if j < N {
+                c[j][i]
+            } else {
+                _mm256_setzero_ps()
+            }
+        })));
+        let mut y = [[0.0f32; PASS]; 2];
+        for (i, yi) in y.iter_mut().enumerate() {
+            for (j, yij) in yi.iter_mut().enumerate().take(N) {
+                let mut s = sums[PASS * i + j];
+                for kk in 0..rest {
+                    s += w[i][k + kk].to_f32() * *tail.add((j0 + j) * rest + kk);
+                }
+                *yij = s;
+            }
+        }
+        y
+    }
 
     /// The 4 × `n` kernel (`n` ≤ 3), if any.
     pub fn tile_4xn(n: usize) -> Option<TileKernel> {
