@@ -457,11 +457,26 @@ pub fn matmul_reference(w: &[bf16], cols: usize, x: &Acts, y: &mut [f32]) {
     }
 }
 
+/// At column pair `p` of a panel (32 rows: 128 bytes of BF16), the same
+/// share of the next panel's bytes, into L2 (both kernels' prefetch).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(ahead: &[u8], p: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    if let Some(line) = ahead.get(128 * p..) {
+        // SAFETY: a prefetch never faults; SSE is baseline on x86-64.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().wrapping_add(64) as *const i8);
+        }
+    }
+}
+
 /// The 256-bit kernels over the same panels: a line (16 rows of a column
 /// pair, 64 bytes) is two 8-lane registers.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::NR;
+    use super::{prefetch_ahead, NR};
     use std::arch::x86_64::*;
 
     /// Most tokens per call of the 16-row kernel: 2 × 6 accumulators, the
@@ -634,24 +649,11 @@ mod avx2 {
             _mm256_storeu_ps(y.add(j * y_stride + 8), a[1]);
         }
     }
-
-    /// At column pair `p` of a panel (32 rows: 128 bytes of BF16), the same
-    /// share of the next panel's bytes, into L2.
-    #[inline(always)]
-    fn prefetch_ahead(ahead: &[u8], p: usize) {
-        if let Some(line) = ahead.get(128 * p..) {
-            // SAFETY: a prefetch never faults; SSE is baseline on x86-64.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().wrapping_add(64) as *const i8);
-            }
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{MAX_TERMS, NR};
+    use super::{prefetch_ahead, MAX_TERMS, NR};
     use std::arch::x86_64::*;
 
     #[cfg(test)]
@@ -828,19 +830,6 @@ mod avx512 {
         for (j, a) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(y.add(j * y_stride), masks[0], a[0]);
             _mm512_mask_storeu_ps(y.add(j * y_stride + 16), masks[1], a[1]);
-        }
-    }
-
-    /// At column pair `p` of a panel (32 rows: 128 bytes of BF16), the same
-    /// share of the next panel's bytes, into L2.
-    #[inline(always)]
-    fn prefetch_ahead(ahead: &[u8], p: usize) {
-        if let Some(line) = ahead.get(128 * p..) {
-            // SAFETY: a prefetch never faults; SSE is baseline on x86-64.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().wrapping_add(64) as *const i8);
-            }
         }
     }
 

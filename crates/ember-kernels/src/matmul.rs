@@ -245,34 +245,29 @@ fn few_tokens_rows(
             unsafe {
                 y = avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead(n).unwrap_or([row(r0).as_ptr(); 2]))
             };
-            write(r0, &y[0]);
-            if r1 != r0 {
-                write(r1, &y[1]);
-            }
-            n += 1;
-            continue;
-        }
-        // 256 bits: 4 tokens at a time, the rows streaming in on the first
-        // pass and read from L1 on the next. (Taking the passes over groups
-        // of 8 pairs instead, so that 4 tokens' activations stay in L1 while
-        // the group's rows stream in, measured slower: 8 sequences at 69-75
-        // against 76-83 tok/s on Zen 3.)
-        let passes = t.div_ceil(avx2_pass());
-        for pass in 0..passes {
-            let (j0, j1) = (pass * t / passes, (pass + 1) * t / passes);
-            let fetch = (pass == 0).then(|| ahead(n)).flatten();
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
-            // rows hold `cols` values, `xp` `t` tokens split for `width`,
-            // `j1 - j0 ≤ PASS`.
-            unsafe {
-                let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, j0, j1 - j0, fetch);
-                for (yi, pi) in y.iter_mut().zip(&part) {
-                    yi[j0..j1].copy_from_slice(&pi[..j1 - j0]);
+        } else {
+            // 256 bits: 4 tokens at a time, the rows streaming in on the first
+            // pass and read from L1 on the next. (Taking the passes over groups
+            // of 8 pairs instead, so that 4 tokens' activations stay in L1 while
+            // the group's rows stream in, measured slower: 8 sequences at 69-75
+            // against 76-83 tok/s on Zen 3.)
+            let passes = t.div_ceil(avx2_pass());
+            for pass in 0..passes {
+                let (j0, j1) = (pass * t / passes, (pass + 1) * t / passes);
+                let fetch = (pass == 0).then(|| ahead(n)).flatten();
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
+                // rows hold `cols` values, `xp` `t` tokens split for `width`,
+                // `j1 - j0 ≤ PASS`.
+                unsafe {
+                    let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, j0, j1 - j0, fetch);
+                    for (yi, pi) in y.iter_mut().zip(&part) {
+                        yi[j0..j1].copy_from_slice(&pi[..j1 - j0]);
+                    }
                 }
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (fetch, j0, j1);
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = (fetch, j0, j1);
         }
         write(r0, &y[0]);
         if r1 != r0 {
