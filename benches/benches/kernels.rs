@@ -4,7 +4,7 @@
 //!
 //!     cargo bench -p ember-benches
 //!     cargo bench -p ember-benches -- matmul   # only the prefill products
-//!     cargo bench -p ember-benches -- "batched decode"   # 8 sequences' products
+//!     cargo bench -p ember-benches -- "batched decode"   # 4, 8 and 16 sequences' products
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Precision, Tier, Weights};
@@ -107,19 +107,20 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
         }
         group.finish();
 
-        const SEQS: usize = 8;
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let x = values(SEQS * cols);
-        let mut y = vec![0.0; SEQS * rows];
-        let mut group = c.benchmark_group(format!("batched decode {SEQS}x{cols} @ {rows}x{cols}T"));
-        group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
-        let m = MatRef::new(Weights::Bf16(&wb), rows, cols);
-        for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
-            group.bench_function(format!("bf16 {} 1 thread", isa.name()), |b| {
-                b.iter(|| matmul_with(isa, Precision::Fast, m, &x, &mut y))
-            });
+        for seqs in [4, 8, 16] {
+            let x = values(seqs * cols);
+            let mut y = vec![0.0; seqs * rows];
+            let mut group = c.benchmark_group(format!("batched decode {seqs}x{cols} @ {rows}x{cols}T"));
+            group.throughput(Throughput::Elements((rows * cols * seqs) as u64));
+            let m = MatRef::new(Weights::Bf16(&wb), rows, cols);
+            for isa in Isa::supported().into_iter().filter(|i| i.tier() != Tier::Scalar) {
+                group.bench_function(format!("bf16 {} 1 thread", isa.name()), |b| {
+                    b.iter(|| matmul_with(isa, Precision::Fast, m, &x, &mut y))
+                });
+            }
+            group.finish();
         }
-        group.finish();
     }
 }
 

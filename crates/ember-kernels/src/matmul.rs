@@ -13,6 +13,7 @@
 //! | INT8/INT4 at fast precision | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
+//! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
 //! | BF16, ≤ 8 tokens whose activations fit L1, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
 //! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
@@ -279,6 +280,90 @@ fn few_tokens_rows(
     true
 }
 
+/// Token counts whose products over BF16 weights [`lanes_rows`] takes on
+/// the 256-bit tiers: a few sequences decoding together. From 17 tokens on,
+/// the packed panels ([`gemm_bf16::matmul_rows_f32`]) amortise their packing.
+const LANES: std::ops::RangeInclusive<usize> = 5..=16;
+
+/// Whether [`lanes_rows`] takes `w`'s product for `t` tokens: BF16 weights
+/// on AVX2 and AVX-VNNI (the AVX-512 tiers keep their own kernels), where
+/// no faster kernel (AMX, `vdpbf16ps`) takes them.
+fn on_lanes(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
+    matches!(w.weights, Weights::Bf16(_))
+        && matches!(isa.tier(), Tier::Avx2 | Tier::AvxVnni)
+        && cfg!(target_arch = "x86_64")
+        && LANES.contains(&t)
+        && !fast_bf16(isa, precision, w)
+        && !on_amx(isa, precision, w)
+}
+
+/// `x (T, cols)` transposed to `(cols, L)` for [`lanes_rows`], `L` the
+/// tokens rounded up to whole 8-lane vectors, the lanes past `T` zero.
+fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b [f32] {
+    let t = x.len() / cols;
+    let l = t.div_ceil(8) * 8;
+    buf.clear();
+    buf.resize(cols * l, 0.0);
+    for (j, xj) in x.chunks_exact(cols).enumerate() {
+        for (k, &v) in xj.iter().enumerate() {
+            buf[k * l + j] = v;
+        }
+    }
+    buf
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens over BF16 weights, the
+/// tokens in the vector lanes: `xt` is `X` transposed ([`transpose_for_lanes`]),
+/// so one load gives 8 tokens' activations of a column, and each weight is
+/// broadcast to all lanes. A group of rows is read from memory once for
+/// every token, with no packing and no horizontal sums; each output is its
+/// columns' fused multiply-adds in order, so the result has
+/// [`gemm_bf16::matmul_f32_reference`]'s bits.
+///
+/// The row-streaming kernel ([`few_tokens_rows`]) loads an activation
+/// vector for every 2 multiply-adds and takes 8 tokens in two passes, with
+/// the activations (28 KB at 8 tokens of 896 columns) falling out of L1;
+/// here one activation load serves a group of 10 rows (5 at 16 tokens).
+/// Measured on Zen 3, 2 threads, the real model: 8 sequences 71-76 → 79-87
+/// tok/s, 16 sequences (before on the packed panels) 87-96 → 91-112 (alternated).
+fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
+    let vectors = xt.len() / cols / 8;
+    debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
+    let group = lanes_group(vectors);
+    let mut y = [0.0f32; 16 * 16];
+    let mut r = rows.start;
+    while r < rows.end {
+        let n = (rows.end - r).min(group);
+        // The next group, to be read from memory while this one is
+        // multiplied (when it is whole).
+        let ahead = (r + 2 * group <= rows.end).then(|| w[(r + group) * cols..].as_ptr());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier has AVX2 and FMA (`on_lanes` checked it); rows
+        // `r..r + n` hold `cols` values each, `xt` is `(cols, 8 ·
+        // vectors)`, `y` has room for `group × 8 · vectors` floats.
+        unsafe {
+            avx2::lanes(vectors, &w[r * cols..(r + n) * cols], n, cols, xt, ahead, &mut y)
+        };
+        for i in 0..n {
+            for j in 0..t {
+                // SAFETY: this thread owns columns `rows` of every output row.
+                unsafe {
+                    out.data.range(j * out.stride + r + i, j * out.stride + r + i + 1)[0] = y[i * 8 * vectors + j]
+                };
+            }
+        }
+        r += n;
+    }
+}
+
+/// Rows per call of [`lanes_rows`]' kernel with `vectors` token vectors.
+fn lanes_group(vectors: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::LANE_ROWS[vectors - 1];
+    #[cfg(not(target_arch = "x86_64"))]
+    return vectors;
+}
+
 /// Tokens per pass of the 256-bit few-token kernel.
 fn avx2_pass() -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -383,6 +468,8 @@ impl Precision {
 /// for the integer kernels, or none of these.
 struct Prepared<'a> {
     amx: Option<amx::Packed<'a>>,
+    /// `x` transposed for [`lanes_rows`]: `(cols, 8 · vectors)`.
+    lanes: Option<&'a [f32]>,
     bf16: Option<gemm_bf16::Acts<'a>>,
     int8: Option<gemm_int8::Acts<'a>>,
 }
@@ -394,6 +481,8 @@ thread_local! {
     static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// The caller's activations quantized for the integer kernels.
     static QUANTIZED: RefCell<Vec<crate::formats::BlockA8>> = const { RefCell::new(Vec::new()) };
+    /// The caller's activations transposed for [`lanes_rows`].
+    static TRANSPOSED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether the integer kernels take `w`'s products.
@@ -432,18 +521,22 @@ fn with_prepared<R>(
     let want_amx = weights.iter().any(|w| on_amx(isa, precision, w));
     let want_bf16 = weights.iter().any(|w| fast_bf16(isa, precision, w));
     let want_int8 = weights.iter().any(|w| fast_int8(isa, precision, w));
+    let want_lanes = weights.iter().any(|w| on_lanes(isa, precision, w, x.len() / cols));
     PACKED.with(|packed| {
         ROUNDED.with(|rounded| {
             QUANTIZED.with(|quantized| {
-                let (mut packed, mut rounded, mut quantized) =
-                    (packed.borrow_mut(), rounded.borrow_mut(), quantized.borrow_mut());
-                let prepared = Prepared {
-                    amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
-                    bf16: want_bf16
-                        .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
-                    int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
-                };
-                f(&prepared)
+                TRANSPOSED.with(|transposed| {
+                    let (mut packed, mut rounded, mut quantized, mut transposed) =
+                        (packed.borrow_mut(), rounded.borrow_mut(), quantized.borrow_mut(), transposed.borrow_mut());
+                    let prepared = Prepared {
+                        amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
+                        lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
+                        bf16: want_bf16
+                            .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
+                        int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
+                    };
+                    f(&prepared)
+                })
             })
         })
     })
@@ -480,6 +573,11 @@ fn product_rows(
     if let (Some(acts), Weights::Bf16(v)) = (prepared.bf16.as_ref(), w.weights) {
         if fast_bf16(isa, precision, &w) {
             return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
+        }
+    }
+    if let (Some(xt), Weights::Bf16(v)) = (prepared.lanes, w.weights) {
+        if on_lanes(isa, precision, &w, x.len() / w.cols) {
+            return lanes_rows(v, w.cols, rows, x.len() / w.cols, xt, out);
         }
     }
     if let Weights::Bf16(v) = w.weights {
@@ -619,6 +717,95 @@ mod avx2 {
             3 => rows2_n::<3>(w, xs, n, j0, ahead),
             4 => rows2_n::<4>(w, xs, n, j0, ahead),
             _ => unreachable!("passes of 1..=4 tokens"),
+        }
+    }
+
+    /// Rows per call of [`lanes`] with 1 and with 2 token vectors: 10 × 1
+    /// or 5 × 2 accumulators, beside a column's activations, the mask and
+    /// two widened weights, fit the 16 registers (with 6 × 2, one accumulator
+    /// went to the stack, and the loop ran at half speed).
+    pub const LANE_ROWS: [usize; 2] = [10, 5];
+
+    /// `y[i · 8v + j] = w_i · x_j` for the `n` rows of `w` (each `cols` long,
+    /// `n ≤ LANE_ROWS[v - 1]`) and the `8v` tokens of `xt (cols, 8v)`. Per
+    /// column, `v` loads give every token's activation, and per row one
+    /// 32-bit broadcast from the weight's address less 2 bytes puts the
+    /// weight in the high half of every lane, the previous one in the low
+    /// half, which a mask clears; each accumulator adds its columns in order.
+    /// (Broadcasting a pair of weights once for both columns, the even one
+    /// widened by a shift, halves the broadcasts but measured no faster: 28
+    /// GMAC/s a thread at 8 tokens either way in `cargo bench -p
+    /// ember-benches -- "batched decode"`, Zen 3.)
+    /// Prefetches `ahead` (the rows a group after `w`'s) as `w` is read.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn lanes(
+        v: usize,
+        w: &[bf16],
+        n: usize,
+        cols: usize,
+        xt: &[f32],
+        ahead: Option<*const bf16>,
+        y: &mut [f32],
+    ) {
+        assert!(w.len() == n * cols && cols >= 1 && xt.len() == cols * 8 * v && (1..=2).contains(&v));
+        assert!(n >= 1 && n <= LANE_ROWS[v - 1] && y.len() >= LANE_ROWS[v - 1] * 8 * v);
+        if v == 1 {
+            lanes_n::<1, { LANE_ROWS[0] }>(w, n, cols, xt, ahead, y)
+        } else {
+            lanes_n::<2, { LANE_ROWS[1] }>(w, n, cols, xt, ahead, y)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn lanes_n<const V: usize, const R: usize>(
+        w: &[bf16],
+        n: usize,
+        cols: usize,
+        xt: &[f32],
+        ahead: Option<*const bf16>,
+        y: &mut [f32],
+    ) {
+        // Opaque to the compiler, so that the mask stays an `and` (any of the
+        // four vector pipes) rather than becoming a blend (two of them).
+        let high = _mm256_castsi256_ps(std::hint::black_box(_mm256_set1_epi32(0xffff_0000u32 as i32)));
+        // Rows past `n` repeat the last one; their sums are not stored.
+        let row: [*const bf16; R] = std::array::from_fn(|i| w.as_ptr().add(i.min(n - 1) * cols));
+        let x = xt.as_ptr();
+        // Column 0: its weight is the low half of the first pair.
+        let mut c: [[__m256; V]; R] = std::array::from_fn(|i| {
+            let first = _mm256_set1_epi32(std::ptr::read_unaligned(row[i] as *const u16) as i32);
+            let wk = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(first));
+            std::array::from_fn(|j| _mm256_fmadd_ps(wk, _mm256_loadu_ps(x.add(8 * j)), _mm256_setzero_ps()))
+        });
+        let mut k = 1;
+        while k < cols {
+            if let Some(a) = ahead {
+                // A cache line of each row of the group ahead per 32 columns.
+                for i in 0..R {
+                    _mm_prefetch::<_MM_HINT_T2>(a.wrapping_add(i * cols + k) as *const i8);
+                }
+            }
+            let end = (k + 32).min(cols);
+            while k < end {
+                let xk: [__m256; V] = std::array::from_fn(|j| _mm256_loadu_ps(x.add(8 * (V * k + j))));
+                for (ci, ri) in c.iter_mut().zip(&row) {
+                    let pair = _mm256_set1_epi32(std::ptr::read_unaligned(ri.add(k - 1) as *const i32));
+                    let wk = _mm256_and_ps(_mm256_castsi256_ps(pair), high);
+                    for j in 0..V {
+                        ci[j] = _mm256_fmadd_ps(wk, xk[j], ci[j]);
+                    }
+                }
+                k += 1;
+            }
+        }
+        for (i, ci) in c.iter().enumerate().take(n) {
+            for (j, cij) in ci.iter().enumerate() {
+                _mm256_storeu_ps(y.as_mut_ptr().add(8 * (V * i + j)), *cij);
+            }
         }
     }
 
@@ -975,6 +1162,30 @@ mod tests {
         let mut want = vec![0.0; x.len() / cols * rows];
         gemm_int8::matmul_reference::<F>(q, &acts, &mut want);
         want
+    }
+
+    #[test]
+    fn lanes_kernel_gives_the_reference_bits() {
+        // Rows past one group (10 or 5) and ragged, columns odd and even.
+        for (rows, cols) in [(1, 1), (3, 2), (11, 37), (23, 96), (64, 130), (37, 898)] {
+            let w: Vec<bf16> = synth(rows * cols, cols as u64).iter().map(|&v| bf16::from_f32(v)).collect();
+            let m = MatRef::new(Weights::Bf16(&w), rows, cols);
+            for t in LANES {
+                let x = synth(t * cols, t as u64 + 7);
+                let mut want = vec![0.0; t * rows];
+                gemm_bf16::matmul_f32_reference(&w, cols, &x, &mut want);
+                for isa in Isa::supported().into_iter().filter(|i| matches!(i.tier(), Tier::Avx2 | Tier::AvxVnni)) {
+                    for precision in Precision::ALL {
+                        assert!(on_lanes(isa, precision, &m, t));
+                        let mut y = vec![f32::NAN; t * rows];
+                        matmul_with(isa, precision, m, &x, &mut y);
+                        let (got, want): (Vec<u32>, Vec<u32>) =
+                            (y.iter().map(|v| v.to_bits()).collect(), want.iter().map(|v| v.to_bits()).collect());
+                        assert_eq!(got, want, "{isa:?} {precision:?} {rows}x{cols} t={t}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
