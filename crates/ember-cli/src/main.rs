@@ -6,6 +6,7 @@
 //! ember chat --system "You are terse."
 //! ember bench -p 128,512 -n 64 -r 3 -t 2
 //! ember quantize --quant int4 --out /tmp/q4
+//! ember quantize --quant int8 --out /tmp/q8.gguf   # a GGUF file llama.cpp runs too
 //! ember eval --quant int4 --corpus fixtures/eval/gpl-3.0.txt --json
 //! ```
 //!

@@ -1,5 +1,6 @@
 //! `ember quantize`: writes a quantized copy of a model folder that loads
-//! instantly (memory-mapped, no quantization at load).
+//! instantly (memory-mapped, no quantization at load): a folder, or with
+//! `--out FILE.gguf` a GGUF file llama.cpp runs too.
 
 use crate::{init_threads, model_dir};
 use anyhow::{bail, Context, Result};
@@ -19,7 +20,9 @@ pub struct Args {
     #[arg(long, value_parser = crate::runtime::parse_quant)]
     quant: WeightType,
 
-    /// The folder to write (created; must not be the model folder).
+    /// The folder to write (created; must not be the model folder), or a
+    /// file ending in `.gguf`: a GGUF file (INT8 matrices as Q8_0, INT4 as
+    /// Q4_0) that ember and llama.cpp both run.
     #[arg(long)]
     out: PathBuf,
 
@@ -40,9 +43,17 @@ pub fn run(args: Args) -> Result<()> {
     model.quantize(&crate::runtime::quant_policy(args.quant)?);
     let quantized = start.elapsed();
     let store = TensorStore::open_dir(&dir)?;
-    ember_model::advanced::quantize::write_folder(&dir, &store, &model, &args.out)
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    let size = std::fs::metadata(args.out.join("model.safetensors")).map(|m| m.len()).unwrap_or(0);
+    let gguf = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if gguf {
+        // llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 and _Q4_0.
+        let file_type = if args.quant == WeightType::Int4 { 2 } else { 7 };
+        ember_model::advanced::quantize::write_gguf(&dir, &store, &model, file_type, &args.out)
+    } else {
+        ember_model::advanced::quantize::write_folder(&dir, &store, &model, &args.out)
+    }
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    let file = if gguf { args.out.clone() } else { args.out.join("model.safetensors") };
+    let size = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "quantized to {} in {:.1} s, written in {:.1} s: {} ({:.0} MB)",
         args.quant.name(),

@@ -228,6 +228,7 @@ mod eval;
 mod generate;
 mod gguf;
 mod gguf_tokenizer;
+mod gguf_write;
 mod kv_cache;
 mod model;
 mod options;
@@ -324,8 +325,11 @@ pub mod advanced {
         pub use crate::eval::*;
     }
 
-    /// Writing a quantized model folder (`ember quantize`).
+    /// Writing a quantized model (`ember quantize`): a folder
+    /// ([`write_folder`](crate::quantize::write_folder)) or a GGUF file
+    /// llama.cpp also runs ([`write_gguf`](crate::gguf_write::write_gguf)).
     pub mod quantize {
+        pub use crate::gguf_write::write_gguf;
         pub use crate::quantize::*;
     }
 }

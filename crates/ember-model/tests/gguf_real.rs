@@ -340,3 +340,61 @@ fn bf16_file_holds_the_folders_tensors_unpermuted() {
     assert_eq!(n, g.names().count());
     assert_eq!(n, 24 * 12 + 2);
 }
+
+/// `ember quantize --out FILE.gguf`'s writer on the real folder, at INT4
+/// (whose policy keeps some matrices at INT8: a file of Q4_0 and Q8_0
+/// tensors): read back, every tensor is the in-memory quantized one byte for
+/// byte (vectors as F32 of the same values), the model it loads gives the
+/// same logits, and the tokenizer and chat template built from its metadata
+/// give `tokenizer.json`'s ids and transformers' renderings.
+#[test]
+fn quantize_writes_a_gguf_that_loads_as_the_quantized_model() {
+    let Some(dir) = ember_model::default_model_dir() else { return };
+    let Some(_) = present(dir.join("model.safetensors")) else { return };
+    let mut m = ember_model::advanced::load_qwen2(&dir).unwrap();
+    m.quantize(&ember_model::WeightType::Int4.into());
+    let store = TensorStore::open_dir(&dir).unwrap();
+    let out = common::Scratch::new("quantize-gguf");
+    let path = out.path().join("int4.gguf");
+    ember_model::advanced::quantize::write_gguf(&dir, &store, &m, 2, &path).unwrap();
+
+    let back = ember_model::advanced::load_qwen2(&path).unwrap();
+    let mut types = std::collections::BTreeSet::new();
+    for (a, b) in m.layers.iter().zip(&back.layers) {
+        for (p, q) in a.matrices().into_iter().zip(b.matrices()) {
+            assert_eq!((p.weight.dtype, &p.weight.shape), (q.weight.dtype, &q.weight.shape), "{}", p.weight.name);
+            assert!(p.weight.as_bytes() == q.weight.as_bytes(), "{} differs", p.weight.name);
+            types.insert(p.weight.dtype.name());
+        }
+    }
+    assert_eq!(types.len(), 2, "{types:?}");
+    assert!(m.embed_tokens.as_bytes() == back.embed_tokens.as_bytes());
+    assert_eq!(back.config.tie_word_embeddings, m.config.tie_word_embeddings);
+    assert_eq!(back.norm, m.norm);
+    let refs = std::fs::read_to_string(common::fixtures().join("reference/greedy.jsonl")).unwrap();
+    let hf = Tokenizer::from_dir(&dir).unwrap();
+    let g = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    assert_eq!(g.vocab_size(), hf.vocab_size());
+    for (i, line) in refs.lines().enumerate() {
+        let r: serde_json::Value = serde_json::from_str(line).unwrap();
+        let ids: Vec<u32> = r["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(g.encode(r["prompt_text"].as_str().unwrap()).unwrap(), ids, "{}", r["name"]);
+        if i < 2 {
+            assert_eq!(last_logits(&back, &ids), last_logits(&m, &ids), "{}", r["name"]);
+        }
+    }
+    for c in &common::template_cases() {
+        let tools = c.tools.as_deref().unwrap_or_default();
+        let got = g.apply_chat_template_with_tools(&c.messages, tools, c.add_generation_prompt).unwrap();
+        assert_eq!(got, c.rendered, "case {}", c.name);
+    }
+    let text = "用一句话介绍长城。 emoji 🦀 <|im_start|>user\n<tool_call>{\"a\": 1}</tool_call><|endoftext|> 3.14";
+    assert_eq!(g.encode(text).unwrap(), hf.encode(text).unwrap());
+    // Generation stops on the same tokens (the file's EOS first).
+    let sorted = |m: std::sync::Arc<Model>| {
+        let mut v = m.eos_token_ids().to_vec();
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(Model::load(&path).unwrap()), sorted(Model::load(&dir).unwrap()));
+}
