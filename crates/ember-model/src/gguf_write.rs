@@ -17,8 +17,9 @@
 
 use crate::error::{Error, Result};
 use crate::gguf::{gguf_name, GgmlType, DEFAULT_ALIGNMENT};
+use crate::quantize::{held_tensors, stored_tensors};
 use crate::qwen2::Qwen2;
-use crate::weights::{Tensor, TensorStore};
+use crate::weights::TensorStore;
 use ember_kernels::WeightType;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -65,6 +66,12 @@ impl Bytes {
         self.u64(s.len() as u64);
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// An array value's type, element type and length.
+    fn array(&mut self, element: u32, len: usize) {
+        self.u32(ARRAY);
+        self.u32(element);
+        self.u64(len as u64);
+    }
     fn meta(&mut self, key: &str, value: &Meta) {
         self.str(key);
         match value {
@@ -85,17 +92,13 @@ impl Bytes {
                 self.str(s);
             }
             Meta::Strings(v) => {
-                self.u32(ARRAY);
-                self.u32(STRING);
-                self.u64(v.len() as u64);
+                self.array(STRING, v.len());
                 for s in v {
                     self.str(s);
                 }
             }
             Meta::I32s(v) => {
-                self.u32(ARRAY);
-                self.u32(I32);
-                self.u64(v.len() as u64);
+                self.array(I32, v.len());
                 for x in v {
                     self.0.extend_from_slice(&x.to_le_bytes());
                 }
@@ -125,18 +128,8 @@ fn ggml_type(dtype: WeightType, name: &str, path: &Path) -> Result<GgmlType> {
 /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`: 7 for mostly Q8_0, 2
 /// for mostly Q4_0).
 pub fn write_gguf(src: &Path, store: &TensorStore, model: &Qwen2, file_type: u32, out: &Path) -> Result<()> {
-    let mut held: BTreeMap<String, &Tensor> = BTreeMap::new();
-    for l in &model.layers {
-        for p in l.matrices() {
-            held.insert(p.weight.name.clone(), &p.weight);
-        }
-    }
-    held.insert(model.embed_tokens.name.clone(), &model.embed_tokens);
-    held.insert(model.lm_head.name.clone(), &model.lm_head);
-
-    let mut names: Vec<&str> = store.names().collect();
-    names.sort();
-    let originals: Vec<Tensor> = names.iter().map(|n| store.get_any(n)).collect::<Result<_>>()?;
+    let held = held_tensors(model);
+    let originals = stored_tensors(store)?;
     let mut tensors = Vec::new();
     for t in &originals {
         let t = held.get(&t.name).copied().unwrap_or(t);

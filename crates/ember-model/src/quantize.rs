@@ -28,19 +28,9 @@ const COPIED: [&str; 7] = [
 /// folder it was loaded from), the quantized ones replaced by their blocks.
 pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let mut quantized: BTreeMap<String, &Tensor> = BTreeMap::new();
-    for l in &model.layers {
-        for p in l.matrices() {
-            quantized.insert(p.weight.name.clone(), &p.weight);
-        }
-    }
-    quantized.insert(model.embed_tokens.name.clone(), &model.embed_tokens);
-    quantized.insert(model.lm_head.name.clone(), &model.lm_head);
+    let mut quantized = held_tensors(model);
     quantized.retain(|_, t| t.dtype.is_quantized());
-
-    let mut names: Vec<&str> = store.names().collect();
-    names.sort();
-    let originals: Vec<Tensor> = names.iter().map(|n| store.get_any(n)).collect::<Result<_>>()?;
+    let originals = stored_tensors(store)?;
     let mut tensors = Vec::new();
     let mut metadata = BTreeMap::new();
     metadata.insert("format".to_string(), "pt".to_string());
@@ -70,4 +60,25 @@ pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) 
         }
     }
     Ok(())
+}
+
+/// The tensors `model` holds by name: each layer's matrices, the embedding
+/// and the LM head (quantized in memory, or as loaded).
+pub(crate) fn held_tensors(model: &Qwen2) -> BTreeMap<String, &Tensor> {
+    let mut held = BTreeMap::new();
+    for l in &model.layers {
+        for p in l.matrices() {
+            held.insert(p.weight.name.clone(), &p.weight);
+        }
+    }
+    held.insert(model.embed_tokens.name.clone(), &model.embed_tokens);
+    held.insert(model.lm_head.name.clone(), &model.lm_head);
+    held
+}
+
+/// Every tensor of `store`, in name order.
+pub(crate) fn stored_tensors(store: &TensorStore) -> Result<Vec<Tensor>> {
+    let mut names: Vec<&str> = store.names().collect();
+    names.sort();
+    names.iter().map(|n| store.get_any(n)).collect()
 }
