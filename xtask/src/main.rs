@@ -1,6 +1,7 @@
 //! ember's task runner (`cargo xtask <task>`): the build system glue that is
 //! not Rust compilation. See `cargo xtask help`.
 
+mod convert;
 mod e2e;
 mod fetch;
 mod library;

@@ -1,6 +1,8 @@
 //! `cargo xtask test`: everything CI runs, in order.
 //!
-//! 1. `cargo xtask fetch` (idempotent: only checksums on a warm cache);
+//! 1. `cargo xtask fetch` (idempotent: only checksums on a warm cache), and
+//!    its GGUF-to-BF16 conversion once more into a scratch folder, checked
+//!    against the reference sums;
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
 //!    said so), so every SIMD kernel and the whole model run under each;
@@ -21,6 +23,7 @@ pub fn run(args: &[String]) -> Result<()> {
         bail!("unknown option `{a}` (test takes none)");
     }
     crate::fetch::run(&[])?;
+    crate::fetch::check_conversion()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for t in Tier::ALL {
         let tier = t.name();
