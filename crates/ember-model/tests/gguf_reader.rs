@@ -1,12 +1,83 @@
 //! The GGUF reader on files the test writes itself: every metadata type,
 //! tensor infos, alignment, a tiny model loaded from GGUF computing what it
 //! computes from safetensors, and thousands of corrupted files (bit flips,
-//! truncations, huge counts and lengths) that must be errors, never panics.
+//! truncations, huge counts and lengths) that must be errors, never panics,
+//! and never allocate more than a small multiple of the file's size.
 
 use ember_model::advanced::gguf::{Array, GgmlType, Gguf, Header, Value};
 use ember_model::advanced::{load_qwen2, BatchToken, Scratch, TensorStore};
 use ember_model::Error;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
+
+/// The system allocator, noting the largest single request made on a thread
+/// while that thread is [`measured`].
+struct Noting;
+
+thread_local! {
+    static MEASURING: Cell<bool> = const { Cell::new(false) };
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note(size: usize) {
+    // `try_with`: allocations during thread teardown are not measured.
+    let _ = MEASURING.try_with(|on| {
+        if on.get() {
+            let _ = LARGEST.try_with(|l| l.set(l.get().max(size)));
+        }
+    });
+}
+
+// SAFETY: every call is forwarded to `System` unchanged.
+unsafe impl GlobalAlloc for Noting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(new_size);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Noting = Noting;
+
+/// `f()` and the largest single allocation it made on this thread.
+fn measured<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    LARGEST.with(|l| l.set(0));
+    MEASURING.with(|m| m.set(true));
+    let r = f();
+    MEASURING.with(|m| m.set(false));
+    (r, LARGEST.with(|l| l.get()))
+}
+
+/// The most a header of `len` bytes may make the reader allocate at once:
+/// its parsed form (strings, values, tensor infos) is a few times larger
+/// than their encodings, never more than this.
+fn allocation_bound(len: usize) -> usize {
+    8 * len + 4096
+}
+
+/// Parses `b` under [`measured`], checking the allocation bound; a panic is
+/// returned as `Err`.
+fn parse_measured(b: &[u8], case: usize) -> std::thread::Result<Result<Header, String>> {
+    let (parsed, largest) = measured(|| std::panic::catch_unwind(|| Header::parse(b)));
+    assert!(
+        largest <= allocation_bound(b.len()),
+        "case {case}: a {}-byte file made the reader allocate {largest} bytes at once",
+        b.len()
+    );
+    parsed
+}
 
 /// A GGUF file under construction (little-endian, as llama.cpp writes it).
 struct Writer {
@@ -168,7 +239,7 @@ fn general_alignment_is_honoured() {
 }
 
 fn parse_err(bytes: &[u8]) -> String {
-    Header::parse(bytes).expect_err("an invalid file parsed")
+    parse_measured(bytes, 0).expect("no panic").expect_err("an invalid file parsed")
 }
 
 #[test]
@@ -320,7 +391,7 @@ fn mutated_files_never_panic() {
                 }
             }
         }
-        match std::panic::catch_unwind(|| Header::parse(&b)) {
+        match parse_measured(&b, case) {
             Err(_) => panic!("case {case}: the reader panicked"),
             Ok(Err(_)) => errors += 1,
             Ok(Ok(h)) => {
@@ -346,7 +417,7 @@ fn random_headers_never_panic() {
         b.extend((rng.below(4) as u64).to_le_bytes());
         let n = rng.below(300);
         b.extend((0..n).map(|_| if rng.below(3) == 0 { 0 } else { rng.next() as u8 }));
-        assert!(std::panic::catch_unwind(|| Header::parse(&b)).is_ok(), "case {case}");
+        assert!(parse_measured(&b, case).is_ok(), "case {case}");
     }
 }
 
