@@ -326,6 +326,17 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// here one activation load serves a group of 10 rows (5 at 16 tokens).
 /// Measured on Zen 3, 2 threads, the real model: 8 sequences 71-76 → 79-87
 /// tok/s, 16 sequences (before on the packed panels) 87-96 → 91-112 (alternated).
+///
+/// The other orientation was tried too (2026-12-01, same machine): rows in
+/// the lanes, 16-row panels packed per product as column pairs (an 8 × 8
+/// transpose of 32-bit pairs; a shift widens the even column, a mask the odd
+/// one) and each token's activation broadcast, 2 × 4 or 2 × 6 accumulators.
+/// Its inner loop alone, on a packed panel, runs at 33-39 GMAC/s a thread
+/// against this kernel's 25-29 (8 tokens, `matmul_with`, one thread), but
+/// packing on the fly costs about half as much again and serialises the
+/// weight reads with the arithmetic: 17-31 GMAC/s, and 43-51 against 61-92
+/// tok/s at 8 sequences end to end. That layout pays only when the weights
+/// are stored packed at load, not per product.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     let vectors = xt.len() / cols / 8;
     debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
