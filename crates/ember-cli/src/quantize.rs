@@ -34,6 +34,14 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     init_threads(args.threads)?;
     let dir = model_dir(args.model.clone())?;
+    if dir.is_file() || dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        bail!(
+            "`ember quantize` reads a safetensors model folder, not the file {} (quantizing from a GGUF file is \
+             not supported yet; llama.cpp's `llama-quantize` converts between GGUF types, and ember runs the \
+             result with --model FILE.gguf)",
+            dir.display()
+        );
+    }
     if args.out.exists() && std::fs::canonicalize(&args.out).ok() == std::fs::canonicalize(&dir).ok() {
         bail!("--out must be another folder than the model's");
     }

@@ -237,6 +237,12 @@ fn bad_quantization_arguments() {
     let m = model.to_str().unwrap();
     assert_clean_failure(&ember(&["--model", m, "--prompt", "w1", "--quant", "int3"]), "int3");
     assert_clean_failure(&ember(&["quantize", "--model", m, "--quant", "int8", "--out", m]), "another folder");
+    let gguf = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ember-quantize-source.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ember-quantize-from-gguf");
+    let args = ["quantize", "--model", gguf.to_str().unwrap(), "--quant", "int8", "--out", out.to_str().unwrap()];
+    assert_clean_failure(&ember(&args), "safetensors model folder");
+    assert!(!out.exists(), "nothing written");
     assert_clean_failure(&ember(&["eval", "--model", m, "--corpus", "/nonexistent/corpus.txt"]), "corpus");
     let short = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ember-short-corpus.txt");
     std::fs::write(&short, "w1 w2 w3").unwrap();
