@@ -125,8 +125,8 @@ fn config_json(g: &Gguf, tensors: &BTreeMap<String, &TensorInfo>) -> Result<Stri
     };
     let float = |key: &str| -> Result<f64> {
         match g.get(key) {
-            // The script reads f32 keys through numpy's float32, which widens exactly.
-            Some(Value::F32(v)) => Ok(f64::from(*v)),
+            // The script reads f32 keys through numpy's float32, which widens
+            // exactly, as `as_f64` does.
             Some(v) => v.as_f64().with_context(|| format!("metadata key `{key}` is {v:?}, not a number")),
             None => bail!("{}: metadata key `{key}` is missing", g.path.display()),
         }

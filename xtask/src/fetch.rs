@@ -217,22 +217,28 @@ fn convert_weights(layout: &Layout, force: bool) -> Result<()> {
         }
     }
     let scratch = layout.scratch("convert")?;
-    let started = Instant::now();
     eprintln!("      dequantizing {} to BF16", file_name(&layout.gguf));
-    crate::convert::gguf_to_hf(&layout.gguf, &scratch.0)?;
-    eprintln!("      converted in {}", secs(started.elapsed()));
-
-    let new_safetensors = scratch.0.join("model.safetensors");
-    let new_config = scratch.0.join("config.json");
-    if let Err(mismatch) = check_sum(&new_safetensors, SAFETENSORS_SHA256)? {
-        bail!("the converted weights are wrong: {mismatch}");
-    }
-    if let Err(mismatch) = check_sum_quiet(&new_config, CONFIG_SHA256)? {
-        bail!("the converted config is wrong: {mismatch}");
-    }
+    convert_checked(&layout.gguf, &scratch.0, true)?;
     // The weights go last: a good model.safetensors means the step completed.
-    replace_file(&new_config, &config)?;
-    replace_file(&new_safetensors, &safetensors)
+    replace_file(&scratch.0.join("config.json"), &config)?;
+    replace_file(&scratch.0.join("model.safetensors"), &safetensors)
+}
+
+/// Converts `gguf` into `model.safetensors` and `config.json` in `dir` and
+/// checks both against the reference sums (with progress when `verbose`).
+fn convert_checked(gguf: &Path, dir: &Path, verbose: bool) -> Result<()> {
+    let started = Instant::now();
+    crate::convert::gguf_to_hf(gguf, dir)?;
+    if verbose {
+        eprintln!("      converted in {}", secs(started.elapsed()));
+    }
+    if let Err(mismatch) = check_sum_with(&dir.join("model.safetensors"), SAFETENSORS_SHA256, verbose)? {
+        bail!("the converted weights are not the reference's: {mismatch}");
+    }
+    if let Err(mismatch) = check_sum_quiet(&dir.join("config.json"), CONFIG_SHA256)? {
+        bail!("the converted config is not the reference's: {mismatch}");
+    }
+    Ok(())
 }
 
 /// Re-runs step 2 into a scratch folder and checks the sums again, so the
@@ -243,13 +249,7 @@ pub fn check_conversion() -> Result<()> {
     let layout = Layout::new(&root, &repo_root());
     let scratch = layout.scratch("check")?;
     let started = Instant::now();
-    crate::convert::gguf_to_hf(&layout.gguf, &scratch.0)?;
-    if let Err(mismatch) = check_sum_quiet(&scratch.0.join("model.safetensors"), SAFETENSORS_SHA256)? {
-        bail!("ember's dequantizer no longer gives the reference weights: {mismatch}");
-    }
-    if let Err(mismatch) = check_sum_quiet(&scratch.0.join("config.json"), CONFIG_SHA256)? {
-        bail!("the converted config differs from the reference: {mismatch}");
-    }
+    convert_checked(&layout.gguf, &scratch.0, false)?;
     eprintln!("xtask test: the GGUF converts to the reference BF16 folder, bit for bit ({})", secs(started.elapsed()));
     Ok(())
 }

@@ -34,7 +34,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     init_threads(args.threads)?;
     let dir = model_dir(args.model.clone())?;
-    if dir.is_file() || dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    if dir.is_file() || is_gguf(&dir) {
         bail!(
             "`ember quantize` reads a safetensors model folder, not the file {} (quantizing from a GGUF file is \
              not supported yet; llama.cpp's `llama-quantize` converts between GGUF types, and ember runs the \
@@ -51,7 +51,7 @@ pub fn run(args: Args) -> Result<()> {
     model.quantize(&crate::runtime::quant_policy(args.quant)?);
     let quantized = start.elapsed();
     let store = TensorStore::open_dir(&dir)?;
-    let gguf = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let gguf = is_gguf(&args.out);
     if gguf {
         // llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 and _Q4_0.
         let file_type = if args.quant == WeightType::Int4 { 2 } else { 7 };
@@ -72,4 +72,9 @@ pub fn run(args: Args) -> Result<()> {
     );
     println!("{}", args.out.display());
     Ok(())
+}
+
+/// Whether `path` names a GGUF file (by its extension).
+fn is_gguf(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }

@@ -14,7 +14,7 @@
 //! | BF16, F16 on AMX | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
 //! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
-//! | BF16, ≤ 8 tokens whose activations fit L1, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
+//! | BF16, ≤ 8 tokens (≤ 4 on the AVX2 tiers) whose activations fit L1, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
 //! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
 //!
@@ -178,7 +178,8 @@ const SMALL_BATCH: usize = 8;
 /// from L2), the panel kernel is faster: 89.5 against 54.8 GMAC/s.
 const SMALL_BATCH_BYTES: usize = 40 * 1024;
 
-/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]) over BF16
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]; on the
+/// AVX2 tiers ≤ 4, one pass, [`lanes_rows`] taking more) over BF16
 /// weights, as a mat-vec of several vectors: each pair of weight rows is
 /// read from memory once, widened in registers, and multiplied with every
 /// token (up to 16 accumulators on AVX-512, both rows at once; 8 on AVX2,
@@ -201,13 +202,16 @@ fn few_tokens_rows(
 ) -> bool {
     // Whether the kernels are 512 bits wide, and how many columns they widen
     // per load (the width of the even/odd split of the activations).
+    // The 256-bit kernel takes up to 4 tokens in one pass; more go to
+    // `lanes_rows` on those tiers.
+    let t = x.len() / cols;
+    debug_assert!((1..=SMALL_BATCH).contains(&t));
     let (wide, width) = match isa.tier() {
         Tier::Scalar => return false,
+        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() => return false,
         Tier::Avx2 | Tier::AvxVnni => (false, 16),
         Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => (true, 32),
     };
-    let t = x.len() / cols;
-    debug_assert!((1..=SMALL_BATCH).contains(&t));
     let row = |i: usize| &w[i * cols..(i + 1) * cols];
     // The kernel splits each `width` weights into even and odd columns;
     // the activations are split the same way once here.
@@ -247,27 +251,14 @@ fn few_tokens_rows(
                 y = avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead(n).unwrap_or([row(r0).as_ptr(); 2]))
             };
         } else {
-            // 256 bits: 4 tokens at a time, the rows streaming in on the first
-            // pass and read from L1 on the next. (Taking the passes over groups
-            // of 8 pairs instead, so that 4 tokens' activations stay in L1 while
-            // the group's rows stream in, measured slower: 8 sequences at 69-75
-            // against 76-83 tok/s on Zen 3.)
-            let passes = t.div_ceil(avx2_pass());
-            for pass in 0..passes {
-                let (j0, j1) = (pass * t / passes, (pass + 1) * t / passes);
-                let fetch = (pass == 0).then(|| ahead(n)).flatten();
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
-                // rows hold `cols` values, `xp` `t` tokens split for `width`,
-                // `j1 - j0 ≤ PASS`.
-                unsafe {
-                    let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, j0, j1 - j0, fetch);
-                    for (yi, pi) in y.iter_mut().zip(&part) {
-                        yi[j0..j1].copy_from_slice(&pi[..j1 - j0]);
-                    }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
+            // rows hold `cols` values, `xp` `t ≤ PASS` tokens split for `width`.
+            unsafe {
+                let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, ahead(n));
+                for (yi, pi) in y.iter_mut().zip(&part) {
+                    yi[..t].copy_from_slice(&pi[..t]);
                 }
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = (fetch, j0, j1);
             }
         }
         write(r0, &y[0]);
@@ -375,7 +366,7 @@ fn lanes_group(vectors: usize) -> usize {
     return vectors;
 }
 
-/// Tokens per pass of the 256-bit few-token kernel.
+/// Most tokens the 256-bit few-token kernel takes (in one pass).
 fn avx2_pass() -> usize {
     #[cfg(target_arch = "x86_64")]
     return avx2::PASS;
@@ -692,7 +683,7 @@ pub fn matmul_swiglu(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{TileKernel, MR, NR, SMALL_BATCH};
+    use super::{TileKernel, MR, NR};
     use crate::formats::bf16;
     use crate::formats::float::avx2::hsum;
     use std::arch::x86_64::*;
@@ -702,9 +693,8 @@ mod avx2 {
     /// activation registers and the mask make 15 of 16 registers.
     pub const PASS: usize = 4;
 
-    /// Two BF16 rows against tokens `j0..j0 + m` (`m ≤ PASS`) of `n` laid
-    /// out by [`super::split_for_few`] with width 16: `y[i][j] = w[i] ·
-    /// x[j0 + j]`. Per 16 columns, one load per row widened by a shift (even
+    /// Two BF16 rows against the `n ≤ PASS` tokens of `xs`, laid out by
+    /// [`super::split_for_few`] with width 16: `y[i][j] = w[i] · x[j]`. Per 16 columns, one load per row widened by a shift (even
     /// columns) and a mask (odd ones), each token's even and odd activations
     /// loaded once for both rows. Prefetches `ahead` (when given) as `w` is
     /// read.
@@ -716,18 +706,16 @@ mod avx2 {
         w: [&[bf16]; 2],
         xs: &[f32],
         n: usize,
-        j0: usize,
-        m: usize,
         ahead: Option<[*const bf16; 2]>,
     ) -> [[f32; PASS]; 2] {
         let len = w[0].len();
-        assert!(w[1].len() == len && xs.len() == n * len && j0 + m <= n && n <= SMALL_BATCH);
-        match m {
-            1 => rows2_n::<1>(w, xs, n, j0, ahead),
-            2 => rows2_n::<2>(w, xs, n, j0, ahead),
-            3 => rows2_n::<3>(w, xs, n, j0, ahead),
-            4 => rows2_n::<4>(w, xs, n, j0, ahead),
-            _ => unreachable!("passes of 1..=4 tokens"),
+        assert!(w[1].len() == len && xs.len() == n * len && (1..=PASS).contains(&n));
+        match n {
+            1 => rows2_n::<1>(w, xs, ahead),
+            2 => rows2_n::<2>(w, xs, ahead),
+            3 => rows2_n::<3>(w, xs, ahead),
+            4 => rows2_n::<4>(w, xs, ahead),
+            _ => unreachable!("1..=4 tokens"),
         }
     }
 
@@ -835,8 +823,6 @@ mod avx2 {
     unsafe fn rows2_n<const N: usize>(
         w: [&[bf16]; 2],
         xs: &[f32],
-        n: usize,
-        j0: usize,
         ahead: Option<[*const bf16; 2]>,
     ) -> [[f32; PASS]; 2] {
         let len = w[0].len();
@@ -844,7 +830,7 @@ mod avx2 {
         // c[j][i]: token j, row i.
         let mut c = [[_mm256_setzero_ps(); 2]; N];
         let mut k = 0;
-        let mut x = xs.as_ptr().add(16 * j0);
+        let mut x = xs.as_ptr();
         while k + 16 <= len {
             if let Some(a) = ahead {
                 if k % 32 == 0 {
@@ -864,13 +850,13 @@ mod avx2 {
                 cj[0] = _mm256_fmadd_ps(odd[0], xo, _mm256_fmadd_ps(even[0], xe, cj[0]));
                 cj[1] = _mm256_fmadd_ps(odd[1], xo, _mm256_fmadd_ps(even[1], xe, cj[1]));
             }
-            x = x.add(16 * n);
+            x = x.add(16 * N);
             k += 16;
         }
         // The ragged ends, token after token (each `rest` long, after the
         // whole groups of every token).
         let rest = len - k;
-        let tail = xs.as_ptr().add(k * n);
+        let tail = xs.as_ptr().add(k * N);
         let sums: [f32; 8] = std::mem::transmute(reduce8(std::array::from_fn(|v| {
             let (i, j) = (v / PASS, v % PASS);
             if j < N {
@@ -884,7 +870,7 @@ mod avx2 {
             for (j, yij) in yi.iter_mut().enumerate().take(N) {
                 let mut s = sums[PASS * i + j];
                 for kk in 0..rest {
-                    s += w[i][k + kk].to_f32() * *tail.add((j0 + j) * rest + kk);
+                    s += w[i][k + kk].to_f32() * *tail.add(j * rest + kk);
                 }
                 *yij = s;
             }
