@@ -328,6 +328,20 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// weight reads with the arithmetic: 17-31 GMAC/s, and 43-51 against 61-92
 /// tok/s at 8 sequences end to end. That layout pays only when the weights
 /// are stored packed at load, not per product.
+///
+/// And the dot form from the stored order (2026-12-01, 17:30-18:00 UTC, same
+/// CPU model): 16-row slabs × 1024-column blocks, each pair of rows widened
+/// by a shift and a mask and met by 4 tokens' split activations
+/// ([`few_tokens_rows`]' kernel, a pass per 4 tokens, the later passes
+/// reading the slab from L2). One thread, weights in L3: 1.1-2.2× this
+/// kernel (896 × 896 at 8 tokens 22-32 against 16-17 GMAC/s). End to end, 2
+/// threads, alternated: 8 sequences 61-76 against 56-80 tok/s (equal within
+/// the noise), 16 sequences 72-85 against 87-120 (worse: 4 passes). Why
+/// both stay far below the FMA peak there: that VM sustained about one
+/// 256-bit load per cycle (4.3-4.8 G/s a thread, 8 independent loads per
+/// iteration) against 9.2 G FMA/s, so a kernel above 0.5 loads per FMA is
+/// bound by its loads; this one makes 1.1 (10 broadcasts and a column's
+/// activations per 10 FMAs), the dot form 0.63.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     let vectors = xt.len() / cols / 8;
     debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
