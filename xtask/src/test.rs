@@ -6,7 +6,8 @@
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
 //!    said so), so every SIMD kernel and the whole model run under each;
-//! 3. `cargo rustdoc -- -D missing-docs` on the three library crates;
+//! 3. `cargo rustdoc -- -D missing-docs -D warnings` on the three library
+//!    crates (every public item documented, every intra-doc link resolving);
 //! 4. `cargo xtask parity` on the real model;
 //! 5. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model;
 //! 6. `cargo xtask readme`: the README's library example in a fresh project;
@@ -43,14 +44,14 @@ pub fn run(args: &[String]) -> Result<()> {
         }
     }
     for krate in ["ember-kernels", "ember-sample", "ember-model"] {
-        eprintln!("xtask test: every public item of {krate} documented");
+        eprintln!("xtask test: every public item of {krate} documented, every doc link resolving");
         let status = Command::new(&cargo)
             .current_dir(crate::root())
-            .args(["rustdoc", "-p", krate, "--", "-D", "missing-docs"])
+            .args(["rustdoc", "-p", krate, "--", "-D", "missing-docs", "-D", "warnings"])
             .status()
             .context("running cargo rustdoc")?;
         if !status.success() {
-            bail!("{krate} has undocumented public items (cargo rustdoc -p {krate} -- -D missing-docs)");
+            bail!("{krate}'s docs have undocumented public items or broken links (cargo rustdoc -p {krate} -- -D missing-docs -D warnings)");
         }
     }
     crate::parity::run(&[])?;

@@ -36,7 +36,7 @@
 //! -p ember-benches -- matmul`), 512 tokens: 110–200 G multiply-adds/s for BF16
 //! weights and 67–110 G for F16, against 35–43 G for the AVX-512 f32 kernel.
 //!
-//! The tier is [`Tier::Amx`](crate::cpu::Tier::Amx); `EMBER_ISA=avx512` turns it off.
+//! The tier is [`Tier::Amx`]; `EMBER_ISA=avx512` turns it off.
 
 use crate::cpu::{Isa, Tier};
 use crate::formats::{MatRef, Weights};

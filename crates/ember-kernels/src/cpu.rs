@@ -29,7 +29,7 @@
 //! ```
 //!
 //! Each kernel table (a weight format's row in [`crate::formats`], the
-//! prefill micro-kernels in [`crate::matmul`], the vector kernels in
+//! prefill micro-kernels in [`crate::matmul`](mod@crate::matmul), the vector kernels in
 //! [`crate::dot`]) matches on [`Tier`] exhaustively, without a wildcard: a new
 //! tier does not compile until every table says which kernels it runs. The
 //! VNNI tiers add one instruction, which only the integer prefill products

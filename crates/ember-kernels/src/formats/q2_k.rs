@@ -59,7 +59,7 @@ impl Format for Q2K {
         Weights::Q2K(data)
     }
 
-    /// A simple correct quantizer: each group fitted by [`fit_min`], its
+    /// A simple correct quantizer: each group fitted by `fit_min`, its
     /// scale and minimum rounded to four bits.
     fn quantize_row(src: &[f32], dst: &mut [BlockQ2K]) {
         assert_eq!(src.len(), dst.len() * QK_K, "row length");

@@ -24,7 +24,7 @@ pub struct BlockQ4K {
     pub d: f16,
     /// The scale of the group minimums.
     pub dmin: f16,
-    /// Eight six-bit scales and eight six-bit minimums ([`scale_min_k4`]).
+    /// Eight six-bit scales and eight six-bit minimums (`scale_min_k4`).
     pub scales: [u8; 12],
     /// The nibbles: byte `32 c + l` holds weight `64 c + l` (low) and `64 c + 32 + l` (high).
     pub qs: [u8; QK_K / 2],
@@ -83,7 +83,7 @@ impl Format for Q4K {
         Weights::Q4K(data)
     }
 
-    /// [`quantize_k4`] with four-bit codes: a simple correct quantizer
+    /// `quantize_k4` with four-bit codes: a simple correct quantizer
     /// (llama.cpp's searches for better scales; tests only need data).
     fn quantize_row(src: &[f32], dst: &mut [BlockQ4K]) {
         assert_eq!(src.len(), dst.len() * QK_K, "row length");

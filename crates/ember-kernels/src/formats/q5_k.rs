@@ -20,7 +20,7 @@ pub struct BlockQ5K {
     pub d: f16,
     /// The scale of the group minimums.
     pub dmin: f16,
-    /// Eight six-bit scales and eight six-bit minimums ([`scale_min_k4`]).
+    /// Eight six-bit scales and eight six-bit minimums (`scale_min_k4`).
     pub scales: [u8; 12],
     /// Bit `g` of byte `l`: the fifth bit of weight `32 g + l`.
     pub qh: [u8; QK_K / 8],
