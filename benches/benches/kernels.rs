@@ -5,6 +5,7 @@
 //!     cargo bench -p ember-benches
 //!     cargo bench -p ember-benches -- matmul   # only the prefill products
 //!     cargo bench -p ember-benches -- "batched decode"   # 4, 8 and 16 sequences' products
+//!     cargo bench -p ember-benches -- attention          # one query row over 256-4096 positions
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Precision, Tier, Weights};
@@ -124,9 +125,30 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
     }
 }
 
+/// One query row's attention over a cached context, Qwen2.5-0.5B's heads
+/// (14 query heads sharing 2 KV heads of 64): what each decoded token of
+/// each sequence costs per layer.
+fn bench_attention(c: &mut Criterion) {
+    use ember_kernels::attention::{attend, AttnShape};
+    let shape = AttnShape { n_heads: 14, n_kv_heads: 2, head_dim: 64 };
+    for len in [256, 1024, 4096] {
+        let q = values(shape.n_heads * shape.head_dim);
+        let (k, v) = (values(len * shape.kv_dim()), values(len * shape.kv_dim()));
+        let (mut scores, mut out) = (vec![0.0; len], vec![0.0; q.len()]);
+        let mut group = c.benchmark_group(format!("attention 1 row over {len}"));
+        group.throughput(Throughput::Elements((2 * shape.n_heads * shape.head_dim * len) as u64));
+        for isa in Isa::supported() {
+            group.bench_function(format!("{} 1 thread", isa.name()), |b| {
+                b.iter(|| attend(isa, shape, &q, &k, &v, &mut scores, &mut out))
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = bench_matvec, bench_matmul, bench_quantized_and_batched
+    targets = bench_matvec, bench_matmul, bench_quantized_and_batched, bench_attention
 }
 criterion_main!(benches);

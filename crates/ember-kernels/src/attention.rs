@@ -84,14 +84,187 @@ pub fn attend_heads(
     for (i, h) in heads.enumerate() {
         let kv = (h / group) * hd;
         let qh = &q[h * hd..(h + 1) * hd];
+        let oh = &mut out[i * hd..(i + 1) * hd];
+        #[cfg(target_arch = "x86_64")]
+        if isa.tier() != crate::cpu::Tier::Scalar && hd.is_multiple_of(8) {
+            // SAFETY: every tier above scalar has AVX2 and FMA (`isa` is the
+            // proof); `hd` is whole vectors, `kv + hd ≤ kv_dim`, and `keys`,
+            // `values` hold `len` rows of `kv_dim`.
+            unsafe {
+                avx2::scores(qh, keys, kv, kv_dim, scale, scores);
+                avx2::softmax(scores);
+                avx2::weighted_sum(scores, values, kv, kv_dim, oh);
+            }
+            continue;
+        }
         for (t, s) in scores.iter_mut().enumerate() {
             *s = dot_f32(isa, qh, &keys[t * kv_dim + kv..t * kv_dim + kv + hd]) * scale;
         }
         softmax(scores);
-        let oh = &mut out[i * hd..(i + 1) * hd];
         oh.fill(0.0);
         for (t, &p) in scores.iter().enumerate() {
             axpy(isa, p, &values[t * kv_dim + kv..t * kv_dim + kv + hd], oh);
+        }
+    }
+}
+
+/// One query head's two passes over its KV head's cache, with the AVX2 tiers'
+/// FMA: the scores eight positions at a time (eight keys against the query,
+/// one horizontal sum for the eight), and the value-weighted sum with the
+/// head's output held in registers across every position, rather than a
+/// dot product and an axpy call per position. Each output element adds its
+/// positions in order with one FMA each, as [`axpy`] does. Between them, the
+/// softmax eight scores at a time ([`ops::softmax`](crate::ops::softmax) is
+/// its twin).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use crate::formats::float::avx2::hsum;
+    use std::arch::x86_64::*;
+
+    /// Lane `i` of the result is the sum of `v[i]`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn reduce8(v: [__m256; 8]) -> __m256 {
+        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
+        let g = [_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])];
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g[0], g[1]), _mm256_permute2f128_ps::<0x31>(g[0], g[1]))
+    }
+
+    /// `scores[t] = (q · keys[t · kv_dim + kv..][..hd]) · scale` for every
+    /// position `t < scores.len()`, `hd = q.len()`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(q: &[f32], keys: &[f32], kv: usize, kv_dim: usize, scale: f32, scores: &mut [f32]) {
+        let (hd, len) = (q.len(), scores.len());
+        assert!(hd > 0 && hd.is_multiple_of(8) && kv + hd <= kv_dim && keys.len() >= len * kv_dim);
+        let (qp, k) = (q.as_ptr(), keys.as_ptr().add(kv));
+        let mut t = 0;
+        while t + 8 <= len {
+            let base = k.add(t * kv_dim);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for d in (0..hd).step_by(8) {
+                let qv = _mm256_loadu_ps(qp.add(d));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base.add(i * kv_dim + d)), *a);
+                }
+            }
+            _mm256_storeu_ps(scores.as_mut_ptr().add(t), _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+            t += 8;
+        }
+        for (t, s) in scores.iter_mut().enumerate().skip(t) {
+            let base = k.add(t * kv_dim);
+            let mut a = _mm256_setzero_ps();
+            for d in (0..hd).step_by(8) {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(base.add(d)), a);
+            }
+            *s = hsum(a) * scale;
+        }
+    }
+
+    /// `e^x` for `x ≤ 0` in each lane, within 2 ulp of `f32::exp` down to
+    /// −87 (below, `e^-87`: against the maximum's 1 it is nothing); NaN stays
+    /// NaN. `x = n ln 2 + r`, `|r| ≤ ln 2 / 2`, `e^r` by Cephes' degree-6
+    /// polynomial, `2^n` built in the exponent bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_neg(x: __m256) -> __m256 {
+        // `max(floor, x)` returns `x` when `x` is NaN.
+        let x = _mm256_max_ps(_mm256_set1_ps(-87.0), x);
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        // ln 2 in two parts, so `n · ln 2` is exact enough.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(e, _mm256_castsi256_ps(two_n))
+    }
+
+    /// `x = softmax(x)` in place: the maximum, `e^(x - max)` and their sum,
+    /// then the scale, eight lanes at a time.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax(x: &mut [f32]) {
+        let len = x.len();
+        let whole = len / 8 * 8;
+        let p = x.as_mut_ptr();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..whole).step_by(8) {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+        }
+        let lanes: [f32; 8] = std::mem::transmute(m);
+        let max = x[whole..].iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max);
+        let (mv, mut sum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+        for i in (0..whole).step_by(8) {
+            let e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+            _mm256_storeu_ps(p.add(i), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let mut total = hsum(sum);
+        for v in &mut x[whole..] {
+            *v = (*v - max).exp();
+            total += *v;
+        }
+        let inv = _mm256_set1_ps(1.0 / total);
+        for i in (0..whole).step_by(8) {
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+        }
+        for v in &mut x[whole..] {
+            *v *= 1.0 / total;
+        }
+    }
+
+    /// `out = Σ_t p[t] · values[t · kv_dim + kv..][..hd]`, `hd = out.len()`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum(p: &[f32], values: &[f32], kv: usize, kv_dim: usize, out: &mut [f32]) {
+        let hd = out.len();
+        assert!(hd > 0 && hd.is_multiple_of(8) && kv + hd <= kv_dim && values.len() >= p.len() * kv_dim);
+        // The output in chunks of up to 8 vectors, each held in registers
+        // over every position.
+        let mut c = 0;
+        while c < hd {
+            let w = ((hd - c) / 8).min(8);
+            let (v, o) = (values.as_ptr().add(kv + c), out.as_mut_ptr().add(c));
+            match w {
+                8 => chunk::<8>(p, v, kv_dim, o),
+                7 => chunk::<7>(p, v, kv_dim, o),
+                6 => chunk::<6>(p, v, kv_dim, o),
+                5 => chunk::<5>(p, v, kv_dim, o),
+                4 => chunk::<4>(p, v, kv_dim, o),
+                3 => chunk::<3>(p, v, kv_dim, o),
+                2 => chunk::<2>(p, v, kv_dim, o),
+                _ => chunk::<1>(p, v, kv_dim, o),
+            }
+            c += 8 * w;
+        }
+    }
+
+    /// `W` vectors of the weighted sum: `out[..8W] = Σ_t p[t] · v[t · kv_dim..][..8W]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn chunk<const W: usize>(p: &[f32], v: *const f32, kv_dim: usize, out: *mut f32) {
+        let mut acc = [_mm256_setzero_ps(); W];
+        for (t, &pt) in p.iter().enumerate() {
+            let (pv, row) = (_mm256_set1_ps(pt), v.add(t * kv_dim));
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row.add(8 * j)), *a);
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(8 * j), *a);
         }
     }
 }
@@ -327,26 +500,77 @@ mod tests {
 
     #[test]
     fn matches_reference_with_grouped_heads() {
-        let shape = AttnShape { n_heads: 6, n_kv_heads: 2, head_dim: 16 };
-        for len in [1, 2, 9, 40] {
-            let q = synth(shape.n_heads * 16, len as u64);
-            let k = synth(len * shape.kv_dim(), 100 + len as u64);
-            let v = synth(len * shape.kv_dim(), 200 + len as u64);
-            let want = reference(shape, &q, &k, &v, len);
-            for isa in Isa::supported() {
-                let mut scores = vec![0.0; len];
-                let mut out = vec![0.0; q.len()];
-                attend(isa, shape, &q, &k, &v, &mut scores, &mut out);
-                for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() < 1e-5, "{isa:?} len={len}: {a} vs {b}");
+        // Head widths of 1, 2, 3 and 8 vectors (the AVX2 kernels' chunks) and
+        // one that is not whole vectors (the dot/axpy loop on every tier);
+        // lengths around the scores' 8-position steps.
+        for (n_heads, n_kv_heads, hd) in [(6, 2, 16), (14, 2, 64), (4, 4, 8), (2, 1, 24), (3, 1, 12)] {
+            let shape = AttnShape { n_heads, n_kv_heads, head_dim: hd };
+            for len in [1, 2, 7, 8, 9, 40, 300] {
+                let q = synth(n_heads * hd, len as u64);
+                let k = synth(len * shape.kv_dim(), 100 + len as u64);
+                let v = synth(len * shape.kv_dim(), 200 + len as u64);
+                let want = reference(shape, &q, &k, &v, len);
+                for isa in Isa::supported() {
+                    let mut scores = vec![0.0; len];
+                    let mut out = vec![0.0; q.len()];
+                    attend(isa, shape, &q, &k, &v, &mut scores, &mut out);
+                    for (a, b) in out.iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-5, "{isa:?} {shape:?} len={len}: {a} vs {b}");
+                    }
+                    // Split by heads, the same numbers.
+                    let mut split = vec![0.0; q.len()];
+                    let cut = n_heads / 2 + 1;
+                    let (lo, hi) = split.split_at_mut(cut * hd);
+                    attend_heads(isa, shape, 0..cut, &q, &k, &v, &mut scores, lo);
+                    attend_heads(isa, shape, cut..n_heads, &q, &k, &v, &mut scores, hi);
+                    assert_eq!(split, out);
                 }
-                // Split by heads, the same numbers.
-                let mut split = vec![0.0; q.len()];
-                let (lo, hi) = split.split_at_mut(4 * 16);
-                attend_heads(isa, shape, 0..4, &q, &k, &v, &mut scores, lo);
-                attend_heads(isa, shape, 4..6, &q, &k, &v, &mut scores, hi);
-                assert_eq!(split, out);
             }
+        }
+    }
+
+    /// The AVX2 softmax against its scalar twin ([`softmax`]) and f64: every
+    /// probability within a few ulp (beyond the rounding of `x - max`
+    /// itself, which moves twin and kernel alike), over scores spread from 0 to −100
+    /// (past the exponential's floor) and lengths with ragged ends; NaN
+    /// spreads as it does in the twin.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_softmax_matches_its_twin() {
+        if Isa::supported().len() < 2 {
+            return;
+        }
+        for len in [1, 3, 8, 13, 64, 1000] {
+            for spread in [0.1f32, 5.0, 30.0, 100.0] {
+                let x: Vec<f32> = synth(len, len as u64 + spread as u64).iter().map(|v| v * spread).collect();
+                let mut twin = x.clone();
+                softmax(&mut twin);
+                let mut fast = x.clone();
+                // SAFETY: a tier above scalar is present, so AVX2 and FMA are.
+                unsafe { avx2::softmax(&mut fast) };
+                let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+                for i in 0..len {
+                    let exact = (x[i] as f64 - m).exp() / z;
+                    // In ulp, relative: a few for the exponential and the
+                    // scale, |x - max| for rounding `x - max` to f32, and the
+                    // bound of the f32 sum's rounding: the kernel's 8 lanes
+                    // each add len / 8 terms (then 3 adds across lanes), the
+                    // twin adds all len in one.
+                    let ulp = |sum_terms: f64| {
+                        (4.0 + (x[i] as f64 - m).abs() + sum_terms) * f32::EPSILON as f64 * exact + 1e-37
+                    };
+                    let (a, b) = (fast[i] as f64, twin[i] as f64);
+                    let n = len as f64;
+                    assert!((a - exact).abs() <= ulp(n / 8.0 + 3.0), "len={len} spread={spread} [{i}]: {a} vs {exact}");
+                    assert!((b - exact).abs() <= ulp(n), "twin len={len} spread={spread} [{i}]: {b} vs {exact}");
+                }
+            }
+            let mut x = synth(len, 5);
+            x[len / 2] = f32::NAN;
+            // SAFETY: as above.
+            unsafe { avx2::softmax(&mut x) };
+            assert!(x.iter().all(|v| v.is_nan()), "len={len}: NaN spreads");
         }
     }
 
