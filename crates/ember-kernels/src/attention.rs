@@ -197,31 +197,6 @@ mod avx2 {
         }
     }
 
-    /// `e^x` for `x ≤ 0` in each lane, within 2 ulp of `f32::exp` down to
-    /// −87 (below, `e^-87`: against the maximum's 1 it is nothing); NaN stays
-    /// NaN. `x = n ln 2 + r`, `|r| ≤ ln 2 / 2`, `e^r` by Cephes' degree-6
-    /// polynomial, `2^n` built in the exponent bits.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_neg(x: __m256) -> __m256 {
-        // `max(floor, x)` returns `x` when `x` is NaN.
-        let x = _mm256_max_ps(_mm256_set1_ps(-87.0), x);
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-            x,
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-        ));
-        // ln 2 in two parts, so `n · ln 2` is exact enough.
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
-        _mm256_mul_ps(e, _mm256_castsi256_ps(two_n))
-    }
-
     /// `x = softmax(x)` in place: the maximum, `e^(x - max)` and their sum,
     /// then the scale, eight lanes at a time.
     ///
@@ -240,7 +215,7 @@ mod avx2 {
         let max = x[whole..].iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max);
         let (mv, mut sum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
         for i in (0..whole).step_by(8) {
-            let e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+            let e = crate::ops::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
             _mm256_storeu_ps(p.add(i), e);
             sum = _mm256_add_ps(sum, e);
         }
@@ -619,6 +594,18 @@ mod tests {
                     assert!((a - exact).abs() <= ulp(n / 8.0 + 3.0), "len={len} spread={spread} [{i}]: {a} vs {exact}");
                     assert!((b - exact).abs() <= ulp(n), "twin len={len} spread={spread} [{i}]: {b} vs {exact}");
                 }
+            }
+            // A masked score (−inf) beside others weighs nothing.
+            if len > 1 {
+                let mut x = synth(len, 6);
+                x[len / 2] = f32::NEG_INFINITY;
+                let mut twin = x.clone();
+                softmax(&mut twin);
+                // SAFETY: as above.
+                unsafe { avx2::softmax(&mut x) };
+                assert_eq!(x[len / 2], 0.0, "len={len}: e^-inf");
+                let close = x.iter().zip(&twin).all(|(a, b)| (a - b).abs() <= 1e-6 * b.abs() + 1e-37);
+                assert!(close, "len={len}: {x:?} vs {twin:?}");
             }
             let mut x = synth(len, 5);
             x[len / 2] = f32::NAN;
