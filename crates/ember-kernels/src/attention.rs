@@ -128,22 +128,32 @@ pub fn attend_heads(
 /// query, one horizontal sum for the eight), and the value-weighted sum with
 /// each head's output held in registers over a step of positions, rather
 /// than a dot product and an axpy call per head and position; every head of
-/// the group meets a block of keys or values while it is in L1. Each output element adds its
-/// positions in order with one FMA each, as [`axpy`] does. Between them, the
-/// softmax eight scores at a time ([`ops::softmax`](crate::ops::softmax) is
-/// its twin).
+/// the group meets a block of keys or values while it is in L1. Each output
+/// element adds its positions in order with one FMA each, as [`axpy`] does.
+/// Between them, the softmax eight scores at a time
+/// ([`ops::softmax`](crate::ops::softmax) is its twin).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use crate::formats::float::avx2::hsum;
+    use crate::formats::float::avx2::{hsum, reduce8};
     use std::arch::x86_64::*;
 
-    /// Lane `i` of the result is the sum of `v[i]`'s lanes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn reduce8(v: [__m256; 8]) -> __m256 {
-        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
-        let g = [_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])];
-        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g[0], g[1]), _mm256_permute2f128_ps::<0x31>(g[0], g[1]))
+    /// `(len, g, hd)` of a group's pass over `cache (len, kv_dim)` at column
+    /// `kv`: `g` heads of `per_position = g · len` scores and `per_head = g ·
+    /// hd` query or output values, `hd` whole vectors within a row.
+    fn group_shape(
+        cache: usize,
+        kv_dim: usize,
+        kv: usize,
+        per_position: usize,
+        per_head: usize,
+    ) -> (usize, usize, usize) {
+        let len = cache / kv_dim;
+        assert!(len > 0 && cache == len * kv_dim && per_position.is_multiple_of(len));
+        let g = per_position / len;
+        assert!(g > 0 && per_head.is_multiple_of(g));
+        let hd = per_head / g;
+        assert!(hd > 0 && hd.is_multiple_of(8) && kv + hd <= kv_dim);
+        (len, g, hd)
     }
 
     /// Positions per step of [`weighted_sum`]: their values (16 × 64 floats
@@ -160,12 +170,7 @@ mod avx2 {
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(q: &[f32], keys: &[f32], kv: usize, kv_dim: usize, scale: f32, scores: &mut [f32]) {
-        let len = keys.len() / kv_dim;
-        assert!(len > 0 && keys.len() == len * kv_dim && scores.len().is_multiple_of(len));
-        let g = scores.len() / len;
-        assert!(g > 0 && q.len().is_multiple_of(g));
-        let hd = q.len() / g;
-        assert!(hd > 0 && hd.is_multiple_of(8) && kv + hd <= kv_dim);
+        let (len, g, hd) = group_shape(keys.len(), kv_dim, kv, scores.len(), q.len());
         let k = keys.as_ptr().add(kv);
         let mut t = 0;
         while t + 8 <= len {
@@ -224,12 +229,12 @@ mod avx2 {
             *v = (*v - max).exp();
             total += *v;
         }
-        let inv = _mm256_set1_ps(1.0 / total);
+        let inv = 1.0 / total;
         for i in (0..whole).step_by(8) {
-            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), _mm256_set1_ps(inv)));
         }
         for v in &mut x[whole..] {
-            *v *= 1.0 / total;
+            *v *= inv;
         }
     }
 
@@ -243,12 +248,7 @@ mod avx2 {
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn weighted_sum(p: &[f32], values: &[f32], kv: usize, kv_dim: usize, out: &mut [f32]) {
-        let len = values.len() / kv_dim;
-        assert!(len > 0 && values.len() == len * kv_dim && p.len().is_multiple_of(len));
-        let g = p.len() / len;
-        assert!(g > 0 && out.len().is_multiple_of(g));
-        let hd = out.len() / g;
-        assert!(hd > 0 && hd.is_multiple_of(8) && kv + hd <= kv_dim);
+        let (len, g, hd) = group_shape(values.len(), kv_dim, kv, p.len(), out.len());
         out.fill(0.0);
         for t0 in (0..len).step_by(VALUE_STEP) {
             let t1 = (t0 + VALUE_STEP).min(len);

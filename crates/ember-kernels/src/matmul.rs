@@ -698,7 +698,7 @@ pub fn matmul_swiglu(
 mod avx2 {
     use super::{TileKernel, MR, NR};
     use crate::formats::bf16;
-    use crate::formats::float::avx2::hsum;
+    use crate::formats::float::avx2::{hsum, reduce8};
     use std::arch::x86_64::*;
 
     /// Most tokens per pass of [`rows2_pass`]: 2 rows × 4 tokens of
@@ -819,16 +819,6 @@ mod avx2 {
                 _mm256_storeu_ps(y.as_mut_ptr().add(8 * (V * i + j)), *cij);
             }
         }
-    }
-
-    /// Lane `i` of the result is the sum of `v[i]`'s lanes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn reduce8(v: [__m256; 8]) -> __m256 {
-        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
-        // Half h of g[k]: 2-lane sums of v[4k..4k + 4]'s half h, in order.
-        let g = [_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])];
-        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g[0], g[1]), _mm256_permute2f128_ps::<0x31>(g[0], g[1]))
     }
 
     #[inline]

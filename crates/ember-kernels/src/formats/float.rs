@@ -95,6 +95,17 @@ pub(crate) mod avx2 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
+    /// Lane `i` of the result is the sum of `v[i]`'s lanes: eight horizontal
+    /// sums at once.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn reduce8(v: [__m256; 8]) -> __m256 {
+        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
+        // Half h of g[k]: 2-lane sums of v[4k..4k + 4]'s half h, in order.
+        let g = [_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3])];
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g[0], g[1]), _mm256_permute2f128_ps::<0x31>(g[0], g[1]))
+    }
+
     /// Sum of the eight lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
