@@ -180,6 +180,12 @@ struct Coding {
 
 /// Packs rows `rows` (at most `kernel.rows()`) of `w (·, blocks)` into
 /// `panel (blocks, SLOTS, kernel.rows())` words; rows past the end are zero.
+///
+/// Block by block: each row's codes are shifted and laid into a block-sized
+/// tile on the stack (one block of the panel, 9 slots × the panel's rows),
+/// which is then copied into place whole. (Row by row, each word stored
+/// straight into the panel through a computed index, the packing took 19%
+/// of an INT8 pp128 on Zen 3, about 100 cycles per row and block.)
 fn pack_panel<F: Format>(
     kernel: Kernel,
     w: &[F::Block],
@@ -188,24 +194,34 @@ fn pack_panel<F: Format>(
     panel: &mut [Line],
 ) -> Coding {
     let height = kernel.rows();
-    debug_assert!(rows.len() <= height && panel.len() * 16 == blocks * SLOTS * height);
-    panel.fill(Line([0; 16]));
+    debug_assert!(rows.len() <= height && height <= ZMM_ROWS && panel.len() * 16 == blocks * SLOTS * height);
     let mut coding = Coding { offset: 0, signed: false };
-    for (i, r) in rows.enumerate() {
-        for (b, block) in w[r * blocks..(r + 1) * blocks].iter().enumerate() {
-            let c = F::codes(block).expect("integer rows have codes");
+    // Rows past the end stay zero: a zero code times any activation adds
+    // nothing, and a zero scale keeps the offset term out too.
+    let mut tile = [[0u32; ZMM_ROWS]; SLOTS];
+    for (b, dst) in panel.chunks_exact_mut(SLOTS * height / 16).enumerate() {
+        for (i, r) in rows.clone().enumerate() {
+            let c = F::codes(&w[r * blocks + b]).expect("integer rows have codes");
             let signed = kernel.signed(c.offset);
             coding = Coding { offset: if signed { 0 } else { c.offset }, signed };
             // Signed codes as i8 bytes: `u − offset` is in −128..=127.
-            let shift = c.offset - coding.offset;
-            let mut put = |slot: usize, word: u32| {
-                let at = (b * SLOTS + slot) * height + i;
-                panel[at / 16].0[at % 16] = word;
+            // Each word holds 4 codes in memory order, as the kernels read
+            // them. Subtracting 128 from a byte is flipping its top bit,
+            // a word at a time (byte by byte, LLVM kept it scalar).
+            let quads: [u32; QK_A8 / 4] = match c.offset - coding.offset {
+                0 => bytemuck::cast(c.u),
+                128 => bytemuck::cast::<_, [u32; QK_A8 / 4]>(c.u).map(|q| q ^ 0x8080_8080),
+                shift => bytemuck::cast(c.u.map(|u| u.wrapping_sub(shift as u8))),
             };
-            for (g, quad) in c.u.chunks_exact(4).enumerate() {
-                put(g, u32::from_le_bytes(std::array::from_fn(|k| (quad[k] as i32 - shift) as u8)));
+            for (slot, quad) in tile.iter_mut().zip(quads) {
+                slot[i] = quad;
             }
-            put(SLOTS - 1, c.d.to_bits());
+            tile[SLOTS - 1][i] = c.d.to_bits();
+        }
+        for (lines, t) in dst.chunks_exact_mut(height / 16).zip(&tile) {
+            for (line, part) in lines.iter_mut().zip(t.chunks_exact(16)) {
+                line.0.copy_from_slice(part);
+            }
         }
     }
     coding
@@ -232,7 +248,14 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
         for r0 in rows.clone().step_by(height) {
             let r1 = (r0 + height).min(rows.end);
             let coding = pack_panel::<F>(kernel, w, blocks, r0..r1, &mut panel);
-            for t0 in (0..x.tokens).step_by(width) {
+            // The next panel's rows, fetched into L2 a share per call while
+            // this one computes, so that packing them does not wait on
+            // memory (without it the packing took 19% of an INT8 pp128 on
+            // Zen 3; with it, 2-3%).
+            let next = &w[r1 * blocks..(r1 + height).min(rows.end) * blocks];
+            let calls = x.tokens.div_ceil(width);
+            for (call, t0) in (0..x.tokens).step_by(width).enumerate() {
+                prefetch_share(next, call, calls);
                 let n = width.min(x.tokens - t0);
                 // SAFETY: this thread owns columns `rows` of every output
                 // row, and the kernel writes only the lanes at `r0..r1` of
@@ -262,6 +285,25 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
             }
         }
     });
+}
+
+/// Fetches share `k` of `n` of `blocks`' bytes into L2, a cache line at a
+/// time.
+fn prefetch_share<B>(blocks: &[B], k: usize, n: usize) {
+    let bytes = std::mem::size_of_val(blocks);
+    let (from, to) = (bytes * k / n, bytes * (k + 1) / n);
+    let start = blocks.as_ptr() as *const u8;
+    for at in (from & !63..to).step_by(64) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults (the address is within `blocks`
+        // all the same); SSE is baseline on x86-64.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(at) as *const i8)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (start, at);
+    }
 }
 
 /// The reference: `y[t][r] = F::dot_reference(w[r], x[t])`, the decoding

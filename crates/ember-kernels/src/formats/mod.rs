@@ -807,6 +807,36 @@ mod tests {
         distinct::<Q6K>();
     }
 
+    /// Each format's codes ([`Format::codes`], what the prefill's integer
+    /// panels are packed from) give its weights: `d · (u − offset)` equals
+    /// the reference dequantization, on blocks of random bytes.
+    #[test]
+    fn codes_give_the_weights() {
+        fn check<F: Format>() {
+            let size = std::mem::size_of::<F::Block>();
+            let mut raw: Vec<u8> = synth(64 * size, 34).iter().map(|v| (v.to_bits() >> 7) as u8).collect();
+            let blocks: &mut [F::Block] = bytemuck::cast_slice_mut(&mut raw);
+            for b in blocks.iter_mut() {
+                // The scale (the block's first two bytes) finite.
+                let bytes: &mut [u8] = bytemuck::bytes_of_mut(b);
+                bytes[1] = (bytes[1] & 0x83) | 0x1c;
+            }
+            let mut want = vec![0.0; blocks.len() * F::BLOCK_LEN];
+            F::dequantize_reference(blocks, &mut want);
+            for (b, want) in blocks.iter().zip(want.chunks_exact(F::BLOCK_LEN)) {
+                let c = F::codes(b).expect("a format with codes");
+                assert!(c.u.iter().all(|&u| (u as i32) < 2 * c.offset), "{} codes below 2 · offset", F::NAME);
+                for (j, (&u, &w)) in c.u.iter().zip(want).enumerate() {
+                    let got = c.d * (u as i32 - c.offset) as f32;
+                    assert_eq!(got.to_bits(), w.to_bits(), "{} weight {j}: {got} vs {w}", F::NAME);
+                }
+            }
+        }
+        check::<Int8>();
+        check::<Int4>();
+        check::<Q5_0>();
+    }
+
     #[test]
     fn the_table_describes_each_type() {
         for ty in WeightType::ALL {

@@ -106,6 +106,7 @@ impl Format for Q5_0 {
     }
 
     /// The five-bit codes themselves, offset 16.
+    #[inline]
     fn codes(b: &BlockQ5_0) -> Option<Codes> {
         Some(Codes { d: b.d.to_f32(), u: codes5(b.qh, &b.qs), offset: 16 })
     }
