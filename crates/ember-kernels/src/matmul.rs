@@ -326,8 +326,12 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// against this kernel's 25-29 (8 tokens, `matmul_with`, one thread), but
 /// packing on the fly costs about half as much again and serialises the
 /// weight reads with the arithmetic: 17-31 GMAC/s, and 43-51 against 61-92
-/// tok/s at 8 sequences end to end. That layout pays only when the weights
-/// are stored packed at load, not per product.
+/// tok/s at 8 sequences end to end. Stored packed at load (2026-12-01,
+/// 22:10 UTC, same CPU model, one thread, 8 tokens), that kernel on ready
+/// panels ran at 32-33 GMAC/s against this kernel's 20-23 with the weights
+/// in L2, but both at 17-21 with 66 MB streamed from memory, neither
+/// overlapping the stream with its arithmetic (prefetching 1-4 panels ahead
+/// changed nothing): packing at load pays only once that is solved.
 ///
 /// And the dot form from the stored order (2026-12-01, 17:30-18:00 UTC, same
 /// CPU model): 16-row slabs × 1024-column blocks, each pair of rows widened
