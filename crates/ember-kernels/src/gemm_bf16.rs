@@ -475,7 +475,7 @@ fn prefetch_ahead(ahead: &[u8], p: usize) {
 /// The 256-bit kernels over the same panels: a line (16 rows of a column
 /// pair, 64 bytes) is two 8-lane registers.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{prefetch_ahead, NR};
     use std::arch::x86_64::*;
 
@@ -518,7 +518,7 @@ mod avx2 {
     /// lanes; then the 128-bit halves are exchanged.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
+    pub(crate) unsafe fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
         let t: [__m256i; 8] = std::array::from_fn(|i| {
             let (a, b) = (r[i & !1], r[i | 1]);
             if i % 2 == 0 {
