@@ -346,6 +346,21 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// iteration) against 9.2 G FMA/s, so a kernel above 0.5 loads per FMA is
 /// bound by its loads; this one makes 1.1 (10 broadcasts and a column's
 /// activations per 10 FMAs), the dot form 0.63.
+///
+/// Blocked, the dot form was tried once more (2026-12-02, same CPU model):
+/// pairs of rows in order, 256-column blocks (8 tokens' activations, 8 KB,
+/// stay in L1; the pair's block is read again from L1 by the second pass of
+/// 4 tokens), activations split once per product, the pair 2 on
+/// prefetched. In a standalone harness streaming 400 MB it ran at 36-39 G
+/// multiply-adds/s on 2 threads against 24-29 for a copy of this kernel;
+/// through `matmuls` over the model's 24 layers and LM head it was no
+/// faster than this kernel (22-35 against 25-37, alternated), and 8
+/// sequences end to end decoded 50-54 against 59-67 tok/s. What bounds both
+/// there: an ideal kernel (two 256-bit loads of streamed weights per 32
+/// FMAs, nothing else, asm) streamed 14.7-15.3 GB/s on 2 threads at 3.7-3.8
+/// G FMA/s a thread, and 10 GB/s at 2.5 an hour later; at 8 tokens that is
+/// 60, then 40 G multiply-adds/s for the whole machine; this kernel made
+/// 25-37 through `matmuls` in the hour of the first figure.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     let vectors = xt.len() / cols / 8;
     debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
