@@ -7,8 +7,8 @@
 
 use crate::cpu::Isa;
 use crate::formats::{
-    quantize_activations, quantize_activations_k, with_weights, ActType, Activation, Acts, BlockA8, BlockA8K, Format,
-    MatRef, QK_A8, QK_A8K,
+    quads_of, quantize_activations, quantize_activations_k, with_weights, ActType, Activation, Acts, BlockA8, BlockA8K,
+    BlockA8x4, Format, MatRef, QK_A8, QK_A8K,
 };
 use crate::ops::silu_mul_with;
 use crate::pool::{self, Chunks, SharedMut, ThreadPool};
@@ -19,6 +19,8 @@ thread_local! {
     static XQ: RefCell<Vec<BlockA8>> = const { RefCell::new(Vec::new()) };
     /// The caller's 256-wide int8 activations (K rows), reused across calls.
     static XQK: RefCell<Vec<BlockA8K>> = const { RefCell::new(Vec::new()) };
+    /// The caller's int8 activations four blocks at a time, reused across calls.
+    static XQ4: RefCell<Vec<BlockA8x4>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with `x` in every activation format some matrix of `mats` reads:
@@ -26,6 +28,7 @@ thread_local! {
 fn with_acts<R>(isa: Isa, x: &[f32], mats: &[MatRef], f: impl FnOnce(&Acts) -> R) -> R {
     let wants = |t: ActType| mats.iter().any(|m| m.weights.ty().act() == t);
     let (a8, a8k) = (wants(ActType::A8), wants(ActType::A8K));
+    let quads = mats.iter().any(|m| m.weights.ty().reads_quads(isa.tier()));
     if a8 {
         assert!(x.len().is_multiple_of(QK_A8), "int8 activations are whole blocks of {QK_A8}");
     }
@@ -46,7 +49,16 @@ fn with_acts<R>(isa: Isa, x: &[f32], mats: &[MatRef], f: impl FnOnce(&Acts) -> R
                 blocks(QK_A8K),
                 BlockA8K::ZERO,
                 |b| quantize_activations_k(isa, x, b),
-                |a8k| f(&Acts { f32: x, a8, a8k }),
+                |a8k| {
+                    if !quads {
+                        return f(&Acts { f32: x, a8, a8k, a8x4: &[] });
+                    }
+                    XQ4.with(|buf| {
+                        let mut buf = buf.borrow_mut();
+                        quads_of(a8, &mut buf);
+                        f(&Acts { f32: x, a8, a8k, a8x4: &buf })
+                    })
+                },
             )
         },
     )
@@ -83,7 +95,7 @@ pub fn matvec_with(isa: Isa, w: MatRef, x: &[f32], y: &mut [f32]) {
 fn matvec_rows(isa: Isa, w: MatRef, acts: &Acts, y: &mut [f32]) {
     assert_eq!(acts.f32.len(), w.cols, "x length");
     assert_eq!(y.len(), w.rows, "y length");
-    with_weights!(w.weights, |F, data| rows_of::<F>(isa, data, w.cols, <F as Format>::Act::pick(acts), y))
+    with_weights!(w.weights, |F, data| rows_of::<F>(isa, data, w.cols, <F as Format>::Act::pick(acts), acts.a8x4, y))
 }
 
 /// `y = W @ x` for one weight type: the hot loop of decoding.
@@ -91,20 +103,31 @@ fn matvec_rows(isa: Isa, w: MatRef, acts: &Acts, y: &mut [f32]) {
 /// Rows j, j+q, j+2q, j+3q go together: x is loaded once for four rows, and
 /// the four quarters of the matrix stream from memory at once, which was
 /// measured to use the memory bus better than four adjacent rows (one
-/// stream). `data (rows * cols / BLOCK_LEN,)`, `x` in the row's activation format.
-fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], y: &mut [f32]) {
+/// stream). `data (rows * cols / BLOCK_LEN,)`, `x` in the row's activation
+/// format, `quads` the same four blocks at a time where the tier's kernel
+/// reads them ([`crate::formats::Kernels::rows4_quads`]; empty otherwise).
+fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], quads: &[BlockA8x4], y: &mut [f32]) {
     let rows = y.len();
     let per_row = cols / F::BLOCK_LEN;
     assert_eq!(data.len(), rows * per_row, "matrix size");
     assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
     let k = F::kernels(isa.tier());
+    let rows4_quads = k.rows4_quads.filter(|_| !quads.is_empty());
+    if rows4_quads.is_some() {
+        assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
+    }
     let q = rows / 4;
     let row = |i: usize| &data[i * per_row..(i + 1) * per_row];
     for j in 0..q {
         let idx = [j, j + q, j + 2 * q, j + 3 * q];
         // SAFETY: `isa` proves the CPU has the tier's features; every row
-        // has `per_row` blocks, matching x (checked above).
-        let out = unsafe { (k.rows4)(idx.map(row), x) };
+        // has `per_row` blocks, matching x and quads (checked above).
+        let out = unsafe {
+            match rows4_quads {
+                Some(kernel) => kernel(idx.map(row), quads),
+                None => (k.rows4)(idx.map(row), x),
+            }
+        };
         for (i, v) in idx.into_iter().zip(out) {
             y[i] = v;
         }
@@ -270,7 +293,8 @@ mod tests {
 
     #[test]
     fn quantized_matvec_matches_the_integer_reference() {
-        for (rows, cols) in [(1, 32), (7, 64), (64, 896), (301, 256)] {
+        // Odd block counts (3, 5) take the kernels' ragged ends in the four-row form.
+        for (rows, cols) in [(1, 32), (7, 64), (9, 96), (8, 160), (64, 896), (301, 256)] {
             let w = synth(rows * cols, rows as u64 + 3);
             let x = synth(cols, 5);
             let mut xq = vec![BlockA8::ZERO; cols / QK_A8];

@@ -56,13 +56,19 @@ macro_rules! float_row {
                 match tier {
                     Tier::Scalar => reference_kernels(),
                     #[cfg(target_arch = "x86_64")]
-                    Tier::Avx2 | Tier::AvxVnni => {
-                        Kernels { dot: avx2::$dot, rows4: avx2::$rows4, dequantize: avx2::$dequantize }
-                    }
+                    Tier::Avx2 | Tier::AvxVnni => Kernels {
+                        dot: avx2::$dot,
+                        rows4: avx2::$rows4,
+                        rows4_quads: None,
+                        dequantize: avx2::$dequantize,
+                    },
                     #[cfg(target_arch = "x86_64")]
-                    Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                        Kernels { dot: avx2::$dot, rows4: avx512::$rows4, dequantize: avx2::$dequantize }
-                    }
+                    Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => Kernels {
+                        dot: avx2::$dot,
+                        rows4: avx512::$rows4,
+                        rows4_quads: None,
+                        dequantize: avx2::$dequantize,
+                    },
                     #[cfg(not(target_arch = "x86_64"))]
                     Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                         unreachable!("x86 tiers are only detected on x86")

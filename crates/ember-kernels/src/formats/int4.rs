@@ -105,22 +105,42 @@ impl Format for Int4 {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
                 use super::int_avx2::pairs::avx2 as k;
-                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
+                Kernels {
+                    dot: k::dot_q4,
+                    rows4: k::rows4_q4,
+                    rows4_quads: None,
+                    dequantize: super::int_avx2::dequantize_q4,
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::AvxVnni => {
                 use super::int_avx2::pairs::vnni as k;
-                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
+                Kernels {
+                    dot: k::dot_q4,
+                    rows4: k::rows4_q4,
+                    rows4_quads: None,
+                    dequantize: super::int_avx2::dequantize_q4,
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => {
                 use super::int_avx512::bw as k;
-                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
+                Kernels {
+                    dot: k::dot_q4,
+                    rows4: k::rows4_q4,
+                    rows4_quads: Some(k::rows4_q4_quads),
+                    dequantize: super::int_avx2::dequantize_q4,
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx512::vnni as k;
-                Kernels { dot: k::dot_q4, rows4: k::rows4_q4, dequantize: super::int_avx2::dequantize_q4 }
+                Kernels {
+                    dot: k::dot_q4,
+                    rows4: k::rows4_q4,
+                    rows4_quads: Some(k::rows4_q4_quads),
+                    dequantize: super::int_avx2::dequantize_q4,
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {

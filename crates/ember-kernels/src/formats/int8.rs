@@ -95,12 +95,17 @@ impl Format for Int8 {
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 => {
                 use super::int_avx2 as k;
-                Kernels { dot: k::dot_q8, rows4: k::rows4_q8, dequantize: k::dequantize_q8 }
+                Kernels { dot: k::dot_q8, rows4: k::rows4_q8, rows4_quads: None, dequantize: k::dequantize_q8 }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx512::vnni8 as k;
-                Kernels { dot: k::dot_q8, rows4: k::rows4_q8, dequantize: super::int_avx2::dequantize_q8 }
+                Kernels {
+                    dot: k::dot_q8,
+                    rows4: k::rows4_q8,
+                    rows4_quads: None,
+                    dequantize: super::int_avx2::dequantize_q8,
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {

@@ -60,8 +60,8 @@ mod q5_k;
 mod q6_k;
 
 pub use act::{
-    quantize_activations, quantize_activations_k, quantize_activations_k_scalar, quantize_activations_scalar, BlockA8,
-    BlockA8K, QK_A8, QK_A8K,
+    quads_of, quantize_activations, quantize_activations_k, quantize_activations_k_scalar, quantize_activations_scalar,
+    BlockA8, BlockA8K, BlockA8x4, QK_A8, QK_A8K,
 };
 pub use float::{Bf16, F16, F32};
 pub use half::{bf16, f16};
@@ -248,7 +248,12 @@ macro_rules! x86_kernels {
             | $crate::cpu::Tier::Avx512Bf16
             | $crate::cpu::Tier::Amx => {
                 use $crate::formats::$module as k;
-                $crate::formats::Kernels { dot: k::$dot, rows4: k::$rows4, dequantize: k::$dequantize }
+                $crate::formats::Kernels {
+                    dot: k::$dot,
+                    rows4: k::$rows4,
+                    rows4_quads: None,
+                    dequantize: k::$dequantize,
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             $crate::cpu::Tier::Avx2
@@ -365,6 +370,9 @@ pub struct Codes {
 pub type DotKernel<F> = unsafe fn(&[<F as Format>::Block], &[<F as Format>::Act]) -> f32;
 /// A four-row kernel: four rows against the same activations.
 pub type Rows4Kernel<F> = unsafe fn([&[<F as Format>::Block]; 4], &[<F as Format>::Act]) -> [f32; 4];
+/// A four-row kernel over int8 activations laid out four blocks at a time
+/// ([`BlockA8x4`], `⌈n / 4⌉` of them for rows of `n` blocks).
+pub type Rows4QuadsKernel<F> = unsafe fn([&[<F as Format>::Block]; 4], &[BlockA8x4]) -> [f32; 4];
 
 /// One tier's kernels for a weight type. Each requires the CPU to have the
 /// tier's features, hence `unsafe`; an [`Isa`] is the proof.
@@ -375,6 +383,10 @@ pub struct Kernels<F: Format> {
     /// The mat-vec passes rows from the four quarters of a matrix, so four
     /// memory streams are in flight.
     pub rows4: Rows4Kernel<F>,
+    /// [`Kernels::rows4`] with the int8 activations as [`BlockA8x4`], where
+    /// the tier has such a kernel (the same bits as `rows4`); the mat-vec
+    /// then lays them out once for all rows.
+    pub rows4_quads: Option<Rows4QuadsKernel<F>>,
     /// Blocks widened to f32 (`dst.len() == src.len() * BLOCK_LEN`).
     pub dequantize: unsafe fn(&[F::Block], &mut [f32]),
 }
@@ -388,7 +400,12 @@ impl<F: Format> Copy for Kernels<F> {}
 
 /// The scalar tier of any row: its reference functions.
 pub(crate) fn reference_kernels<F: Format>() -> Kernels<F> {
-    Kernels { dot: F::dot_reference, rows4: rows4_reference::<F>, dequantize: F::dequantize_reference }
+    Kernels {
+        dot: F::dot_reference,
+        rows4: rows4_reference::<F>,
+        rows4_quads: None,
+        dequantize: F::dequantize_reference,
+    }
 }
 
 fn rows4_reference<F: Format>(w: [&[F::Block]; 4], x: &[F::Act]) -> [f32; 4] {
@@ -465,6 +482,9 @@ pub struct Acts<'a> {
     pub a8: &'a [BlockA8],
     /// The activations as 256-wide int8 blocks `(cols / 256,)`, or empty when no matrix reads them.
     pub a8k: &'a [BlockA8K],
+    /// `a8` four blocks at a time (`⌈cols / 128⌉`), or empty when no
+    /// matrix's kernel reads them ([`Kernels::rows4_quads`]).
+    pub a8x4: &'a [BlockA8x4],
 }
 
 impl WeightType {
@@ -519,6 +539,12 @@ impl WeightType {
     /// The activation format its dot products read.
     pub fn act(self) -> ActType {
         with_type!(self, |F| <<F as Format>::Act as Activation>::TYPE)
+    }
+
+    /// Whether this type's mat-vec on `tier` reads the int8 activations
+    /// four blocks at a time ([`BlockA8x4`], [`Kernels::rows4_quads`]).
+    pub fn reads_quads(self, tier: Tier) -> bool {
+        with_type!(self, |F| F::kernels(tier).rows4_quads.is_some())
     }
 
     /// Whether its blocks read as unsigned codes about an offset
@@ -663,7 +689,9 @@ mod tests {
             quantize_activations_scalar(&x, &mut a8);
             let mut a8k = vec![BlockA8K::ZERO; n / QK_A8K];
             quantize_activations_k_scalar(&x[..n / QK_A8K * QK_A8K], &mut a8k);
-            let acts = Acts { f32: &x, a8: &a8, a8k: &a8k };
+            let mut a8x4 = Vec::new();
+            quads_of(&a8, &mut a8x4);
+            let acts = Acts { f32: &x, a8: &a8, a8k: &a8k, a8x4: &a8x4 };
             let xa = F::Act::pick(&acts);
             let rows: Vec<&[F::Block]> = blocks.chunks_exact(n / F::BLOCK_LEN).collect();
             let want: Vec<f32> = rows.iter().map(|r| F::dot_reference(r, xa)).collect();
@@ -680,6 +708,12 @@ mod tests {
                 );
                 // SAFETY: `isa` is supported.
                 let four = unsafe { (F::kernels(isa.tier()).rows4)([rows[0], rows[1], rows[2], rows[3]], xa) };
+                if let Some(quads) = F::kernels(isa.tier()).rows4_quads {
+                    // SAFETY: as above; `acts.a8x4` holds ⌈n / 4⌉ quads of `a8`.
+                    let got = unsafe { quads([rows[0], rows[1], rows[2], rows[3]], acts.a8x4) };
+                    let same = got.iter().zip(&four).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{} {isa:?} rows4_quads n={n}: {got:?} vs {four:?}", F::NAME);
+                }
                 for k in 0..4 {
                     let one = F::dot(isa, rows[k], xa);
                     assert!((one - want[k]).abs() <= 1e-5 * mag, "{} {isa:?} dot n={n}: {one} vs {}", F::NAME, want[k]);
@@ -732,7 +766,7 @@ mod tests {
         quantize_activations_scalar(&x, &mut a8);
         let mut a8k = vec![BlockA8K::ZERO; n / QK_A8K];
         quantize_activations_k_scalar(&x, &mut a8k);
-        let xa = F::Act::pick(&Acts { f32: &x, a8: &a8, a8k: &a8k });
+        let xa = F::Act::pick(&Acts { f32: &x, a8: &a8, a8k: &a8k, a8x4: &[] });
         let mut xd = vec![0.0; n];
         F::Act::values(xa, &mut xd);
         let want: f32 = back.iter().zip(&xd).map(|(a, b)| a * b).sum();
