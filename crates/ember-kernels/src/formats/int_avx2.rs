@@ -197,13 +197,58 @@ pub unsafe fn quantize_activations_k(x: &[f32], dst: &mut [BlockA8K]) {
     }
 }
 
+/// A row block with one F16 scale (INT8's and INT4's), for [`scale_pairs`].
+pub(super) trait F16Scaled {
+    /// The block's scale.
+    fn scale(&self) -> half::f16;
+}
+
+impl F16Scaled for BlockQ4 {
+    fn scale(&self) -> half::f16 {
+        self.d
+    }
+}
+
+impl F16Scaled for BlockQ8 {
+    fn scale(&self) -> half::f16 {
+        self.d
+    }
+}
+
+/// `d_w · d_x` of blocks `i` and `j` of up to 4 rows: row k's block i in
+/// lane k of the low 128-bit lane, its block j in lane k of the high one
+/// (`dx` holds the activations' two scales the same way). The F16 scales
+/// are gathered by the integer unit (idle here) and widened in one
+/// conversion, so each row then needs one shuffle where converting and
+/// spreading each row's pair took six or seven vector operations, most of
+/// them shuffles. Used by the AVX2/AVX-VNNI INT4 kernel (`pairs`) and the
+/// AVX-512 INT8 one. Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
+/// L2, both kernels alternated in one process, 200 rounds) 3-6% faster at
+/// the median: 9.1 → 9.4 and 9.4 → 9.7 GB/s, the kernel staying
+/// compute-bound at about 10 cycles per row and pair of blocks, with the
+/// rows in L1 too. On Emerald Rapids (AVX-512 INT8, same harness): 27.4 →
+/// 34.9 and 28.3 → 37.2 GB/s while the VM was quiet, equal while it was
+/// loaded.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
+    w: &[&[B]; R],
+    i: usize,
+    j: usize,
+    dx: __m256,
+) -> __m256 {
+    let gather = |b: usize| (0..R).fold(0u64, |a, k| a | (w[k].get_unchecked(b).scale().to_bits() as u64) << (16 * k));
+    let h = _mm_set_epi64x(gather(j) as i64, gather(i) as i64);
+    _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
+}
+
 /// INT4 decoding two blocks per 256-bit register, for the AVX2 and AVX-VNNI
 /// tiers (the AVX-512 tiers hold four: `int_avx512`). Each 128-bit lane
 /// holds one block's 16 packed bytes: its low nibbles (weights 0..16) meet
 /// the activations' first halves, its high nibbles (16..32) the second
 /// halves, so no nibble is moved across lanes. The offset is added once per
 /// pair as a start vector, the F16 scales of both blocks of all the rows
-/// widen in one conversion ([`pairs`]' `scales`), and there is one
+/// widen in one conversion ([`scale_pairs`]), and there is one
 /// conversion and one FMA per two blocks (against one each per block in the
 /// per-block kernel this replaced).
 pub mod pairs {
@@ -240,25 +285,7 @@ pub mod pairs {
         }
     }
 
-    /// `d_w · d_x` of blocks `i` and `j` of up to 4 rows: row k's block i in
-    /// lane k of the low 128-bit lane, its block j in lane k of the high one.
-    /// The F16 scales are gathered by the integer unit (idle here) and
-    /// widened in one conversion, so each row then needs one in-lane shuffle
-    /// ([`row_scales`]) where converting and spreading each row's pair took
-    /// six vector operations, three of them shuffles. Same bits; on Zen 3
-    /// (one thread, 896 × 896 in L2, both kernels alternated in one process,
-    /// 200 rounds) 3-6% faster at the median: 9.1 → 9.4 and 9.4 → 9.7 GB/s.
-    /// The kernel stays compute-bound there at about 10 cycles per row and
-    /// pair of blocks, with the rows in L1 too.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn scales<const R: usize>(w: &[&[BlockQ4]; R], i: usize, j: usize, dx: __m256) -> __m256 {
-        let gather = |b: usize| (0..R).fold(0u64, |a, k| a | (w[k].get_unchecked(b).d.to_bits() as u64) << (16 * k));
-        let h = _mm_set_epi64x(gather(j) as i64, gather(i) as i64);
-        _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
-    }
-
-    /// Row `k`'s two scales from [`scales`], each across its 128-bit lane.
+    /// Row `k`'s two scales from [`scale_pairs`], each across its 128-bit lane.
     #[inline]
     #[target_feature(enable = "avx")]
     unsafe fn row_scales(s: __m256, k: usize) -> __m256 {
@@ -280,7 +307,7 @@ pub mod pairs {
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn rows<const R: usize>(w: [&[BlockQ4]; R], x: &[BlockA8]) -> [f32; R] {
-                    const { assert!(R <= 4, "scales() packs 4 rows' F16 scales in 64 bits") };
+                    const { assert!(R <= 4, "scale_pairs() packs 4 rows' F16 scales in 64 bits") };
                     let n = x.len();
                     let nibble = _mm256_set1_epi8(15);
                     let mut acc = [_mm256_setzero_ps(); R];
@@ -289,7 +316,7 @@ pub mod pairs {
                         let $p = pair(x, i);
                         // Past the end, repeat the block (its activations are zero).
                         let j = if i + 1 < n { i + 1 } else { i };
-                        let d = scales(&w, i, j, $p.d);
+                        let d = super::scale_pairs(&w, i, j, $p.d);
                         for k in 0..R {
                             let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
                             if i % 4 == 0 {

@@ -15,7 +15,7 @@
 //!   `vpmaddwd` without VNNI) gives `Σ (u − offset)·x` with no subtraction;
 //! - the blocks' F16 scales widen in one conversion, meet the activation
 //!   scales in one multiply and spread over their lanes in one permute
-//!   (INT8 converts four rows' scales at once: [`scales`]);
+//!   (INT8 converts four rows' scales at once: [`scale_pairs`]);
 //! - one conversion and one FMA per register.
 //!
 //! The activations' side (bytes, starts and scales) is built once per step
@@ -25,6 +25,7 @@
 use super::act::{BlockA8, BlockA8x4};
 use super::int4::BlockQ4;
 use super::int8::BlockQ8;
+use super::int_avx2::scale_pairs;
 use std::arch::x86_64::*;
 
 /// How far ahead each row is prefetched, in bytes (as the AVX2 kernels).
@@ -38,7 +39,7 @@ struct Pair {
     /// `−128 · Σx` in lane 0 of each half, zero elsewhere.
     start: __m512i,
     /// Block i's activation scale in lanes 0..4, block i + 1's in 4..8 (to
-    /// meet [`scales`]' layout of four rows' weight scales).
+    /// meet [`scale_pairs`]' layout of four rows' weight scales).
     d: __m256,
 }
 
@@ -61,29 +62,9 @@ unsafe fn pair(x: &[BlockA8], i: usize) -> Pair {
     }
 }
 
-/// The F16 scales of up to four rows' blocks `i` and `j`, gathered by the
-/// integer unit (64 bits per block index) and widened in one conversion,
-/// times the activations' scales `dx` ([`Pair::d`]): lane `k` holds row
-/// `k`'s `d_w,i · d_x,i`, lane `4 + k` its `d_w,j · d_x,j`. Converting and
-/// spreading each row's two scales on its own took 7 of the 12 vector
-/// operations per row and pair of blocks, most of them on the one port
-/// that shuffles. Measured on Emerald Rapids (2 cores, `avx512bf16`), both
-/// kernels alternated in one process over 896 × 896 in L2, one thread:
-/// 27.4 → 34.9 and 28.3 → 37.2 GB/s while the VM was quiet, equal while it
-/// was loaded; the same bits. (INT4's kernel tried the same with 16 scales
-/// in one conversion and was 3–7% slower: its cost is elsewhere, in
-/// building the activation quad and loading four blocks' bytes.)
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn scales<const R: usize>(w: &[&[BlockQ8]; R], i: usize, j: usize, dx: __m256) -> __m256 {
-    let gather = |b: usize| (0..R).fold(0u64, |a, k| a | (w[k].get_unchecked(b).d.to_bits() as u64) << (16 * k));
-    let h = _mm_set_epi64x(gather(j) as i64, gather(i) as i64);
-    _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
-}
-
-/// [`scales`]' eight lanes as 128-bit lanes `[i, i, j, j]` (block i's four
-/// rows twice, then block j's): one shuffle shared by the rows, so each row
-/// spreads its two scales with one in-lane permute ([`row_scales`]).
+/// [`scale_pairs`]' eight lanes as 128-bit lanes `[i, i, j, j]` (block i's
+/// four rows twice, then block j's): one shuffle shared by the rows, so each
+/// row spreads its two scales with one in-lane permute ([`row_scales`]).
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn widen_scales(s: __m256) -> __m512 {
@@ -284,7 +265,7 @@ macro_rules! kernels {
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
                         let s = dot(dot(start, lo, xlo), hi, xhi);
                         let d = if whole {
-                            // SAFETY of the read: a whole step's 72 bytes are in the row.
+                            // A whole step's 72 bytes are in the row: the 64-byte read stays inside it.
                             let step = _mm512_loadu_si512(blocks[0] as *const BlockQ4 as *const _);
                             let h = _mm512_castsi512_si256(_mm512_permutexvar_epi16(picks, step));
                             _mm512_mul_ps(_mm512_cvtph_ps(h), dx16)
@@ -343,14 +324,14 @@ pub mod vnni8 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     unsafe fn rows_q8<const R: usize>(w: [&[BlockQ8]; R], x: &[BlockA8]) -> [f32; R] {
-        const { assert!(R <= 4, "scales() packs 4 rows' F16 scales in 64 bits") };
+        const { assert!(R <= 4, "scale_pairs() packs 4 rows' F16 scales in 64 bits") };
         let n = x.len();
         let mut acc = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i < n {
             let p = pair(x, i);
             let j = if i + 1 < n { i + 1 } else { i };
-            let d = widen_scales(scales(&w, i, j, p.d));
+            let d = widen_scales(scale_pairs(&w, i, j, p.d));
             for k in 0..R {
                 let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
                 // One prefetch per 68 bytes: about one per cache line.
