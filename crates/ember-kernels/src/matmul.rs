@@ -14,7 +14,7 @@
 //! | BF16, F16 on AMX | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
 //! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
-//! | BF16, ≤ 8 tokens (≤ 4 on the AVX2 tiers) whose activations fit L1, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
+//! | BF16, ≤ 8 tokens on AVX-512 (in column blocks that fit L1), ≤ 4 whose activations fit L1 on AVX2, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
 //! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
 //!
@@ -172,11 +172,30 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
 /// threads, Xeon with AVX512-BF16: 8 tokens 127 against 109 tok/s, 16
 /// tokens 136 against 157).
 const SMALL_BATCH: usize = 8;
-/// Most bytes of activations [`few_tokens_rows`] takes: they are read for
-/// every row, so they should stay in L1 (48 KB here) beside the streaming
-/// weights. Past that (8 tokens of down_proj's 4864 columns: 152 KB, read
-/// from L2), the panel kernel is faster: 89.5 against 54.8 GMAC/s.
+/// Most bytes of activations [`few_tokens_rows`] takes in one pass over the
+/// rows: they are read for every row, so they should stay in L1 (48 KB
+/// here) beside the streaming weights. Past that (8 tokens of down_proj's
+/// 4864 columns: 152 KB), read from L2, the panel kernel was faster (89.5
+/// against 54.8 GMAC/s); the AVX-512 kernel now takes such products in
+/// column blocks ([`few_block`]), the AVX2 one leaves them to the panels.
 const SMALL_BATCH_BYTES: usize = 40 * 1024;
+
+/// Columns per block of [`few_tokens_rows`] for `t` tokens of `cols`
+/// columns: all of them when the activations fit [`SMALL_BATCH_BYTES`], else
+/// blocks of whole `width`s whose activations fit [`FEW_BLOCK_BYTES`], as
+/// even as that allows.
+fn few_block(t: usize, cols: usize, width: usize) -> usize {
+    if 4 * t * cols <= SMALL_BATCH_BYTES {
+        return cols;
+    }
+    let most = (FEW_BLOCK_BYTES / (4 * t) / width).max(1) * width;
+    let blocks = cols.div_ceil(most);
+    cols.div_ceil(blocks).next_multiple_of(width)
+}
+
+/// Most bytes of activations one column block of [`few_tokens_rows`] holds
+/// when they all together would not stay in L1 ([`SMALL_BATCH_BYTES`]).
+const FEW_BLOCK_BYTES: usize = 24 * 1024;
 
 /// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]; on the
 /// AVX2 tiers ≤ 4, one pass, [`lanes_rows`] taking more) over BF16
@@ -190,8 +209,13 @@ const SMALL_BATCH_BYTES: usize = 40 * 1024;
 /// mat-vec's do: the hardware prefetcher follows each stream separately, so
 /// four keep four times the reads in flight of one. With the rows taken in
 /// order (one stream), the same kernel read 20.5 GB/s at 8 tokens on the
-/// LM head where the mat-vec reads 28. Returns false where the tier has no
-/// such kernel.
+/// LM head where the mat-vec reads 28.
+///
+/// Activations too large for L1 (8 tokens of down_proj's 4864 columns:
+/// 152 KB) are taken in column blocks that fit ([`few_block`]): each block
+/// passes over all of the share's rows, reading their columns of the block
+/// (every weight is still read from memory once), and adds its partial sums
+/// to the outputs. Returns false where the tier has no such kernel.
 fn few_tokens_rows(
     isa: Isa,
     w: &[crate::formats::bf16],
@@ -203,69 +227,86 @@ fn few_tokens_rows(
     // Whether the kernels are 512 bits wide, and how many columns they widen
     // per load (the width of the even/odd split of the activations).
     // The 256-bit kernel takes up to 4 tokens in one pass; more go to
-    // `lanes_rows` on those tiers.
+    // `lanes_rows` on those tiers, and activations past L1 to the panels
+    // (blocks of columns not measured there).
     let t = x.len() / cols;
     debug_assert!((1..=SMALL_BATCH).contains(&t));
     let (wide, width) = match isa.tier() {
         Tier::Scalar => return false,
-        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() => return false,
+        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() || 4 * x.len() > SMALL_BATCH_BYTES => return false,
         Tier::Avx2 | Tier::AvxVnni => (false, 16),
         Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => (true, 32),
     };
-    let row = |i: usize| &w[i * cols..(i + 1) * cols];
-    // The kernel splits each `width` weights into even and odd columns;
-    // the activations are split the same way once here.
-    let mut xp = FEW_X.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    split_for_few(x, cols, width, &mut xp);
-    let write = |r: usize, y: &[f32; SMALL_BATCH]| {
-        for (j, &v) in y.iter().take(t).enumerate() {
-            // SAFETY: this thread owns columns `rows` of every output row,
-            // `r` among them.
-            unsafe { out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] = v };
-        }
-    };
+    let block = few_block(t, cols, width);
     // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2 and 3 (n
     // odd), i = n / 2; then the ragged rest two by two.
     let q = rows.len() / 4;
     let rest = rows.start + 4 * q;
-    let pair = |n: usize| -> Option<[usize; 2]> {
+    let pairs = 2 * q + (rows.len() - 4 * q).div_ceil(2);
+    let pair = |n: usize| -> [usize; 2] {
         if n < 2 * q {
             let first = rows.start + 2 * (n % 2) * q + n / 2;
-            Some([first, first + q])
+            [first, first + q]
         } else {
             let r = rest + 2 * (n - 2 * q);
-            (r < rows.end).then(|| [r, (r + 1).min(rows.end - 1)])
+            [r, (r + 1).min(rows.end - 1)]
         }
     };
-    // The rows two pairs on in each stream, to be read from memory while
-    // pair `n`'s are multiplied.
-    let ahead = |n: usize| pair(n + 4).or(pair(n)).map(|p| p.map(|r| row(r).as_ptr()));
-    let mut n = 0;
-    while let Some([r0, r1]) = pair(n) {
-        let mut y = [[0.0f32; SMALL_BATCH]; 2];
-        if wide {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512F is present (`isa` is the proof); both rows
-            // hold `cols` values, `xp` `t` tokens split for `width`.
-            unsafe {
-                y = avx512::rows2_bf16(t, [row(r0), row(r1)], &xp, ahead(n).unwrap_or([row(r0).as_ptr(); 2]))
+    // The kernel splits each `width` weights into even and odd columns;
+    // the activations are split the same way, a block at a time.
+    let mut xp = FEW_X.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    let mut k0 = 0;
+    while k0 < cols {
+        let k1 = (k0 + block).min(cols);
+        let start = split_for_few(x, cols, k0..k1, width, &mut xp);
+        let xs = &xp[start..];
+        let seg = |r: usize| &w[r * cols + k0..r * cols + k1];
+        // The rows two pairs on in each stream (past the block's last pair,
+        // the next block's first), read from memory while pair `n`'s are
+        // multiplied.
+        let ahead = |n: usize| -> [*const crate::formats::bf16; 2] {
+            let (m, k) = if n + 4 < pairs {
+                (n + 4, k0)
+            } else if k1 < cols {
+                (n + 4 - pairs, k1)
+            } else {
+                (n, k0)
             };
-        } else {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
-            // rows hold `cols` values, `xp` `t ≤ PASS` tokens split for `width`.
-            unsafe {
-                let part = avx2::rows2_pass([row(r0), row(r1)], &xp, t, ahead(n));
-                for (yi, pi) in y.iter_mut().zip(&part) {
-                    yi[..t].copy_from_slice(&pi[..t]);
+            pair(m).map(|r| w[r * cols + k..].as_ptr())
+        };
+        for n in 0..pairs {
+            let [r0, r1] = pair(n);
+            let mut y = [[0.0f32; SMALL_BATCH]; 2];
+            if wide {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512F is present (`isa` is the proof); both
+                // segments hold `k1 - k0` values, `xp` `t` tokens of them
+                // split for `width`.
+                unsafe {
+                    y = avx512::rows2_bf16(t, [seg(r0), seg(r1)], xs, ahead(n))
+                };
+            } else {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
+                // segments hold `k1 - k0` values, `xp` `t ≤ PASS` tokens
+                // split for `width`.
+                unsafe {
+                    let part = avx2::rows2_pass([seg(r0), seg(r1)], xs, t, Some(ahead(n)));
+                    for (yi, pi) in y.iter_mut().zip(&part) {
+                        yi[..t].copy_from_slice(&pi[..t]);
+                    }
+                }
+            }
+            for (i, &r) in [r0, r1].iter().enumerate().take(if r1 == r0 { 1 } else { 2 }) {
+                for (j, &v) in y[i].iter().take(t).enumerate() {
+                    // SAFETY: this thread owns columns `rows` of every
+                    // output row, `r` among them.
+                    let o = unsafe { &mut out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] };
+                    *o = if k0 == 0 { v } else { *o + v };
                 }
             }
         }
-        write(r0, &y[0]);
-        if r1 != r0 {
-            write(r1, &y[1]);
-        }
-        n += 1;
+        k0 = k1;
     }
     FEW_X.with(|b| *b.borrow_mut() = xp);
     true
@@ -416,18 +457,25 @@ thread_local! {
 /// `width` columns, every token's `width / 2` even columns then its odd
 /// ones (the tokens side by side, so a kernel reaches each at a fixed
 /// offset); then every token's ragged end as it is.
-fn split_for_few(x: &[f32], cols: usize, width: usize, xp: &mut Vec<f32>) {
-    let (t, whole, half) = (x.len() / cols, cols / width * width, width / 2);
+fn split_for_few(x: &[f32], cols: usize, span: std::ops::Range<usize>, width: usize, xp: &mut Vec<f32>) -> usize {
+    let (t, len, half) = (x.len() / cols, span.len(), width / 2);
+    let whole = len / width * width;
+    // The layout starts on a cache line, so that no load of a whole vector
+    // of it straddles two (the kernels make 8 such loads per weight load).
     xp.clear();
+    xp.reserve(t * len + 16);
+    let start = xp.as_ptr().align_offset(64).min(15);
+    xp.resize(start, 0.0);
     for c in (0..whole).step_by(width) {
         for j in 0..t {
-            let chunk = &x[j * cols + c..j * cols + c + width];
+            let chunk = &x[j * cols + span.start + c..][..width];
             xp.extend((0..half).map(|i| chunk[2 * i]).chain((0..half).map(|i| chunk[2 * i + 1])));
         }
     }
     for j in 0..t {
-        xp.extend_from_slice(&x[j * cols + whole..(j + 1) * cols]);
+        xp.extend_from_slice(&x[j * cols + span.start + whole..j * cols + span.end]);
     }
+    start
 }
 
 /// Asks for `bytes` to be brought into L2 (a hint; nothing elsewhere).
@@ -615,8 +663,7 @@ fn product_rows(
         }
     }
     if let Weights::Bf16(v) = w.weights {
-        let few = x.len() <= SMALL_BATCH * w.cols && 4 * x.len() <= SMALL_BATCH_BYTES;
-        if few && few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
+        if x.len() <= SMALL_BATCH * w.cols && few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
             return;
         }
         if gemm_bf16::f32_available(isa) && gemm_bf16::f32_handles(w.cols) {
@@ -1106,7 +1153,7 @@ mod tests {
         // Shapes with ragged edges in rows (mod 4), tokens (mod 3, and past a
         // token block) and columns (mod 8).
         for (rows, cols, t) in
-            [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4), (112, 64, 33), (208, 96, 3)]
+            [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4), (112, 64, 33), (208, 96, 3), (21, 2500, 8)]
         {
             let w = synth(rows * cols, rows as u64);
             let x = synth(t * cols, t as u64 + 99);
@@ -1181,6 +1228,38 @@ mod tests {
         let mut want = vec![0.0; x.len() / cols * rows];
         gemm_int8::matmul_reference::<F>(q, &acts, &mut want);
         want
+    }
+
+    #[test]
+    fn few_token_blocks_cover_the_columns_in_whole_widths() {
+        for (t, cols) in [(1, 896), (8, 896), (8, 4864), (5, 4864), (8, 2500), (3, 100_000)] {
+            let block = few_block(t, cols, 32);
+            if 4 * t * cols <= SMALL_BATCH_BYTES {
+                assert_eq!(block, cols);
+                continue;
+            }
+            assert!(block.is_multiple_of(32) && 4 * t * block <= FEW_BLOCK_BYTES, "t={t} cols={cols}: {block}");
+            // As even as whole widths allow: no block is a width short of
+            // the others but the last.
+            let blocks = cols.div_ceil(block);
+            assert!(cols > (blocks - 1) * block && cols.div_ceil(blocks) + 32 > block, "t={t} cols={cols}: {block}");
+        }
+    }
+
+    #[test]
+    fn few_token_activations_start_on_a_cache_line() {
+        let x = synth(8 * 300, 5);
+        let mut xp = Vec::new();
+        for span in [0..300, 64..200, 288..300] {
+            let start = split_for_few(&x, 300, span.clone(), 32, &mut xp);
+            assert_eq!(xp[start..].as_ptr() as usize % 64, 0);
+            assert_eq!(xp.len() - start, 8 * span.len());
+            // Token 1's even columns of the span's first width.
+            if span.len() >= 32 {
+                assert_eq!(xp[start + 32], x[300 + span.start]);
+                assert_eq!(xp[start + 33], x[300 + span.start + 2]);
+            }
+        }
     }
 
     #[test]
