@@ -170,7 +170,10 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
 /// like a mat-vec ([`few_tokens_rows`]): decoding a batch of sequences.
 /// More tokens go to the panel kernel, faster from 16 on (measured, 2
 /// threads, Xeon with AVX512-BF16: 8 tokens 127 against 109 tok/s, 16
-/// tokens 136 against 157).
+/// tokens 136 against 157). With the activations on a cache line and in
+/// column blocks, 16 tokens as two passes of 8 over each pair of rows (the
+/// second from L1) were still slower than the panels (Emerald Rapids, 2
+/// threads, alternated: 117, 123, 120 against 131, 154, 150 tok/s).
 const SMALL_BATCH: usize = 8;
 /// Most bytes of activations [`few_tokens_rows`] takes in one pass over the
 /// rows: they are read for every row, so they should stay in L1 (48 KB
