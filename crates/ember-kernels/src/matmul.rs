@@ -294,7 +294,7 @@ fn few_tokens_rows(
                 // segments hold `k1 - k0` values, `xp` `t ≤ PASS` tokens
                 // split for `width`.
                 unsafe {
-                    let part = avx2::rows2_pass([seg(r0), seg(r1)], xs, t, Some(ahead(n)));
+                    let part = avx2::rows2_pass([seg(r0), seg(r1)], xs, t, ahead(n));
                     for (yi, pi) in y.iter_mut().zip(&part) {
                         yi[..t].copy_from_slice(&pi[..t]);
                     }
@@ -778,18 +778,12 @@ mod avx2 {
     /// Two BF16 rows against the `n ≤ PASS` tokens of `xs`, laid out by
     /// [`super::split_for_few`] with width 16: `y[i][j] = w[i] · x[j]`. Per 16 columns, one load per row widened by a shift (even
     /// columns) and a mask (odd ones), each token's even and odd activations
-    /// loaded once for both rows. Prefetches `ahead` (when given) as `w` is
-    /// read.
+    /// loaded once for both rows. Prefetches `ahead` as far as `w` reaches.
     ///
     /// # Safety
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows2_pass(
-        w: [&[bf16]; 2],
-        xs: &[f32],
-        n: usize,
-        ahead: Option<[*const bf16; 2]>,
-    ) -> [[f32; PASS]; 2] {
+    pub unsafe fn rows2_pass(w: [&[bf16]; 2], xs: &[f32], n: usize, ahead: [*const bf16; 2]) -> [[f32; PASS]; 2] {
         let len = w[0].len();
         assert!(w[1].len() == len && xs.len() == n * len && (1..=PASS).contains(&n));
         match n {
@@ -892,11 +886,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows2_n<const N: usize>(
-        w: [&[bf16]; 2],
-        xs: &[f32],
-        ahead: Option<[*const bf16; 2]>,
-    ) -> [[f32; PASS]; 2] {
+    unsafe fn rows2_n<const N: usize>(w: [&[bf16]; 2], xs: &[f32], ahead: [*const bf16; 2]) -> [[f32; PASS]; 2] {
         let len = w[0].len();
         let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
         // c[j][i]: token j, row i.
@@ -904,12 +894,10 @@ mod avx2 {
         let mut k = 0;
         let mut x = xs.as_ptr();
         while k + 16 <= len {
-            if let Some(a) = ahead {
-                if k % 32 == 0 {
-                    // One cache line of each row every 32 columns.
-                    _mm_prefetch::<_MM_HINT_T2>(a[0].wrapping_add(k) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T2>(a[1].wrapping_add(k) as *const i8);
-                }
+            if k % 32 == 0 {
+                // One cache line of each row every 32 columns.
+                _mm_prefetch::<_MM_HINT_T2>(ahead[0].wrapping_add(k) as *const i8);
+                _mm_prefetch::<_MM_HINT_T2>(ahead[1].wrapping_add(k) as *const i8);
             }
             let v = [
                 _mm256_loadu_si256(w[0].as_ptr().add(k) as *const __m256i),

@@ -124,22 +124,12 @@ unsafe fn quad(x: &[BlockA8], i: usize) -> Quad {
     }
 }
 
-/// Four INT4 blocks' 16 packed bytes, one block per 128-bit lane.
+/// Four INT4 blocks' 16 packed bytes, one block per 128-bit lane: by
+/// 128-bit broadcast loads, which take only the load ports, and three
+/// blends (three inserts would take the shuffle port).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn qs4(b: [&BlockQ4; 4]) -> __m512i {
-    let load = |k: usize| _mm_loadu_si128(b[k].qs.as_ptr() as *const __m128i);
-    let z = _mm512_castsi128_si512(load(0));
-    let z = _mm512_inserti32x4::<1>(z, load(1));
-    let z = _mm512_inserti32x4::<2>(z, load(2));
-    _mm512_inserti32x4::<3>(z, load(3))
-}
-
-/// [`qs4`] by 128-bit broadcast loads, which take only the load ports, and
-/// three blends, where the inserts take the shuffle port.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn qs4_broadcast(b: [&BlockQ4; 4]) -> __m512i {
     let load = |k: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(b[k].qs.as_ptr() as *const __m128i));
     let (b02, b13) =
         (_mm512_mask_blend_epi32(0xff00, load(0), load(2)), _mm512_mask_blend_epi32(0xff00, load(1), load(3)));
@@ -260,7 +250,7 @@ macro_rules! kernels {
                         _mm_prefetch::<_MM_HINT_T0>(
                             (blocks[0] as *const BlockQ4 as *const i8).wrapping_add(PREFETCH_AHEAD),
                         );
-                        let bytes = qs4_broadcast(blocks);
+                        let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
                         let s = dot(dot(start, lo, xlo), hi, xhi);
