@@ -108,7 +108,7 @@ impl Format for Int4 {
                 Kernels {
                     dot: k::dot_q4,
                     rows4: k::rows4_q4,
-                    rows4_quads: None,
+                    rows4_quads: Some(k::rows4_q4_quads),
                     dequantize: super::int_avx2::dequantize_q4,
                 }
             }
@@ -118,7 +118,7 @@ impl Format for Int4 {
                 Kernels {
                     dot: k::dot_q4,
                     rows4: k::rows4_q4,
-                    rows4_quads: None,
+                    rows4_quads: Some(k::rows4_q4_quads),
                     dequantize: super::int_avx2::dequantize_q4,
                 }
             }
