@@ -405,6 +405,19 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// G FMA/s a thread, and 10 GB/s at 2.5 an hour later; at 8 tokens that is
 /// 60, then 40 G multiply-adds/s for the whole machine; this kernel made
 /// 25-37 through `matmuls` in the hour of the first figure.
+///
+/// And one row at a time (2026-12-02, 14:20-14:40 UTC, same CPU model):
+/// per 16 columns one load widened by a shift and a mask, then 16 FMAs
+/// whose 8 tokens' split activations are memory operands (1.7 operations
+/// per FMA with the loop, against this kernel's 3.9; this VM sustained
+/// about 3 vector operations a cycle, and this kernel runs at that). It did
+/// not run faster: one thread, 8 tokens, 17-19 against 16-18 GMAC/s
+/// (4864 × 896, 128 × 4864, 512 × 256), 0.8 FMA a cycle where a loop of
+/// FMAs with loads from L1 makes 1.8; in column blocks of 6-24 KB of
+/// activations (to keep them in L1) slower still; 8 sequences end to end
+/// 66-72 against 65-72 tok/s (alternated). What bounds both near 0.8 FMA
+/// a cycle is not the operation count; without hardware counters here it
+/// stays open.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     let vectors = xt.len() / cols / 8;
     debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
