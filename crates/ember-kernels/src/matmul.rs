@@ -416,8 +416,16 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// FMAs with loads from L1 makes 1.8; in column blocks of 6-24 KB of
 /// activations (to keep them in L1) slower still; 8 sequences end to end
 /// 66-72 against 65-72 tok/s (alternated). What bounds both near 0.8 FMA
-/// a cycle is not the operation count; without hardware counters here it
-/// stays open.
+/// a cycle is not the operation count alone: that kernel's accumulators
+/// took two FMAs a step, and with 4 tokens a pass, even and odd columns in
+/// their own accumulators (8 chains one FMA deep, 2 operations per FMA with
+/// the loop unrolled to 32 columns), a C copy streaming 4864 × 896 ran
+/// 1.2-1.5× a C copy of this kernel alternated in one process; in ember
+/// (pairs of rows in four streams, 8 tokens as two passes, down_proj in
+/// column blocks) it ran equal to this kernel: one thread, 4864 × 896,
+/// medians of 12 alternations 17.4 against 17.5 GMAC/s, and 8 sequences
+/// 58-71 against 61-78 tok/s end to end. Not kept; without hardware
+/// counters here the difference between the two stays open.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     let vectors = xt.len() / cols / 8;
     debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
