@@ -248,8 +248,10 @@ pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
 /// holds one block's 16 packed bytes: its low nibbles (weights 0..16) meet
 /// the activations' first halves, its high nibbles (16..32) the second
 /// halves, so no nibble is moved across lanes. A step takes two blocks of
-/// four rows: each row's integer products end in 8 i32 partial sums, and
-/// two rounds of `vphaddd` fold the four rows' into one vector, row k's
+/// four rows: two rounds of horizontal adds fold the four rows' integer
+/// partial sums into one vector (on AVX2 `vphaddw` on the i16 pair sums,
+/// then one `vpmaddwd` for all four rows; on AVX-VNNI `vphaddd` after
+/// `vpdpbusd`), row k's
 /// two block sums in lane k of each 128-bit lane, which is the layout of
 /// the scales ([`scale_pairs`]); so the step has one offset add, one
 /// conversion and one FMA for its four rows, where each row had its own
@@ -259,7 +261,8 @@ pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
 /// operations is what the kernel's speed follows. One thread, 512 × 896 in
 /// L2 through `matvec_with`, the build before and this one alternated 8
 /// times: 3.95 → 3.16 ns per row and two blocks (medians; 10.0 → 12.5
-/// GB/s).
+/// GB/s) with `vphaddd` after a `vpmaddwd` per row, then 3.17 → 3.08 with
+/// the fold in i16 before one.
 ///
 /// The activations come either as blocks ([`BlockA8`], each step builds
 /// its pair) or laid out once per mat-vec ([`BlockA8x4`], two steps per
@@ -351,7 +354,7 @@ pub mod pairs {
     }
 
     macro_rules! kernels {
-        ($module:ident, $features:literal, $doc:literal, |$lo:ident, $hi:ident, $xlo:ident, $xhi:ident| $dot:expr) => {
+        ($module:ident, $features:literal, $doc:literal, |$lo:ident, $hi:ident, $xlo:ident, $xhi:ident| $dot:expr, |$s:ident| $fold:expr) => {
             #[doc = $doc]
             pub mod $module {
                 use super::*;
@@ -380,7 +383,8 @@ pub mod pairs {
                         let ($xlo, $xhi) = (p.lo, p.hi);
                         $dot
                     });
-                    let s = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+                    let $s = sums;
+                    let s = $fold;
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s, p.start)), d, acc)
                 }
 
@@ -432,9 +436,12 @@ pub mod pairs {
     kernels!(
         avx2,
         "avx2,fma,f16c",
-        "With `vpmaddubsw`: both halves' pair sums added as i16 (at most 2 · 2 · 15 · 128 = 7680), then one `vpmaddwd`.",
-        |lo, hi, xlo, xhi| _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
+        "With `vpmaddubsw`: both halves' pair sums added as i16 (at most 2 · 2 · 15 · 128 = 7680 in magnitude), the \
+         four rows' folded by two rounds of `vphaddw` (sums of 4 such: at most 30720, still an i16), then one \
+         `vpmaddwd` for the step.",
+        |lo, hi, xlo, xhi| _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
+        |s| _mm256_madd_epi16(
+            _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])),
             _mm256_set1_epi16(1)
         )
     );
@@ -442,7 +449,9 @@ pub mod pairs {
     kernels!(
         vnni,
         "avx2,fma,f16c,avxvnni",
-        "With `vpdpbusd` (AVX-VNNI): two instructions per row and two blocks.",
-        |lo, hi, xlo, xhi| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi)
+        "With `vpdpbusd` (AVX-VNNI): two instructions per row and two blocks, the four rows' sums folded by two \
+         rounds of `vphaddd`.",
+        |lo, hi, xlo, xhi| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi),
+        |s| _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]))
     );
 }
