@@ -219,9 +219,8 @@ impl F16Scaled for BlockQ8 {
 /// lane k of the low 128-bit lane, its block j in lane k of the high one
 /// (`dx` holds the activations' two scales the same way). The F16 scales
 /// are gathered by the integer unit (idle here) and widened in one
-/// conversion, so each row then needs one shuffle where converting and
-/// spreading each row's pair took six or seven vector operations, most of
-/// them shuffles. Used by the AVX2/AVX-VNNI INT4 kernel (`pairs`, for a
+/// conversion, where converting and spreading each row's pair took six or
+/// seven vector operations, most of them shuffles. Used by the AVX2/AVX-VNNI INT4 kernel (`pairs`, for a
 /// row's last odd block; whole pairs take `pairs::scales_whole`) and the
 /// AVX-512 INT8 one. Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
 /// L2, both kernels alternated in one process, 200 rounds) 3-6% faster at
@@ -251,14 +250,13 @@ pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
 /// four rows: two rounds of horizontal adds fold the four rows' integer
 /// partial sums into one vector (on AVX2 `vphaddw` on the i16 pair sums,
 /// then one `vpmaddwd` for all four rows; on AVX-VNNI `vphaddd` after
-/// `vpdpbusd`), row k's
-/// two block sums in lane k of each 128-bit lane, which is the layout of
-/// the scales ([`scale_pairs`]); so the step has one offset add, one
-/// conversion and one FMA for its four rows, where each row had its own
-/// offset add, conversion, scale shuffle and FMA; and the scales of a
-/// whole step come from one 32-byte load per row ([`scales_whole`]). This
-/// VM (Zen 3) sustained about 3 vector operations a cycle, so the count of
-/// operations is what the kernel's speed follows. One thread, 512 × 896 in
+/// `vpdpbusd`), row k's two block sums in lane k of each 128-bit lane,
+/// which is the layout of the scales ([`scale_pairs`]); so the step has
+/// one offset add, one conversion and one FMA for its four rows, where each
+/// row had its own offset add, conversion, scale shuffle and FMA; and the
+/// scales of a whole step come from one 32-byte load per row
+/// ([`scales_whole`]). This VM (Zen 3) sustained about 3 vector operations
+/// a cycle, so the count of operations is what the kernel's speed follows. One thread, 512 × 896 in
 /// L2 through `matvec_with`, the build before and this one alternated 8
 /// times: 3.95 → 3.16 ns per row and two blocks (medians; 10.0 → 12.5
 /// GB/s) with `vphaddd` after a `vpmaddwd` per row, then 3.17 → 3.08 with
@@ -298,16 +296,7 @@ pub mod pairs {
         Pair {
             lo: _mm256_permute2x128_si256::<0x20>(a0, a1),
             hi: _mm256_permute2x128_si256::<0x31>(a0, a1),
-            start: _mm256_setr_epi32(
-                -8 * a.sum,
-                -8 * a.sum,
-                -8 * a.sum,
-                -8 * a.sum,
-                -8 * s1,
-                -8 * s1,
-                -8 * s1,
-                -8 * s1,
-            ),
+            start: _mm256_setr_m128i(_mm_set1_epi32(-8 * a.sum), _mm_set1_epi32(-8 * s1)),
             d: _mm256_setr_m128(_mm_set1_ps(a.d), _mm_set1_ps(d1)),
         }
     }
