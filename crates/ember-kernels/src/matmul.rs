@@ -328,8 +328,8 @@ fn on_lanes(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
         && matches!(isa.tier(), Tier::Avx2 | Tier::AvxVnni)
         && cfg!(target_arch = "x86_64")
         && LANES.contains(&t)
-        && !fast_bf16(isa, precision, w)
-        && !on_amx(isa, precision, w)
+        && !fast_bf16(isa, precision, w, t)
+        && !on_amx(isa, precision, w, t)
 }
 
 /// `x (T, cols)` transposed to `(cols, L)` for [`lanes_rows`], `L` the
@@ -596,20 +596,37 @@ fn fast_int8(isa: Isa, precision: Precision, w: &MatRef) -> bool {
     precision == Precision::Fast && gemm_int8::available(isa) && gemm_int8::handles(w)
 }
 
-/// Whether the fast BF16 kernels take `w`'s products (AMX, where it runs,
-/// takes them first).
-fn fast_bf16(isa: Isa, precision: Precision, w: &MatRef) -> bool {
+/// The fewest tokens whose products AMX takes. Below it, AMX's tile loads
+/// and packing cost more than they save and the AVX-512 kernels (a few
+/// tokens streamed like a mat-vec, else the f32 panels) are faster:
+/// measured on 2 cores of a Xeon with AMX (family 6 model 167, 2026-12-02,
+/// `ember bench -p 16,32,64,128 -n 0`, `EMBER_ISA=amx` against
+/// `avx512bf16`, two alternations) prompts of 16 tokens ran at 89–97 tok/s
+/// on AMX against 140–143, 32 tokens level (173–181 against 173–176), 64
+/// and 128 ahead on AMX (199–207 and 222–228 against 182–186 and 191); 8
+/// sequences decoding together ran at 40 tok/s through AMX against 103.
+const AMX_MIN_TOKENS: usize = 32;
+
+/// Whether AMX's tier and types would take `w`'s product over `t` tokens.
+fn amx_takes(isa: Isa, w: &MatRef, t: usize) -> bool {
+    isa.tier() == Tier::Amx && amx::handles(w) && t >= AMX_MIN_TOKENS
+}
+
+/// Whether the fast BF16 kernels take `w`'s products over `t` tokens (AMX,
+/// where it runs, takes them first).
+fn fast_bf16(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
     precision == Precision::Fast
         && matches!(w.weights, Weights::Bf16(_))
         && gemm_bf16::available(isa)
         && gemm_bf16::pays_off()
-        && !(isa.tier() == Tier::Amx && amx::handles(w))
+        && !amx_takes(isa, w, t)
 }
 
-/// Whether AMX takes `w`'s products: on its tier, for the types it handles,
-/// except those the integer kernels take at fast precision.
-fn on_amx(isa: Isa, precision: Precision, w: &MatRef) -> bool {
-    isa.tier() == Tier::Amx && amx::handles(w) && !fast_int8(isa, precision, w)
+/// Whether AMX takes `w`'s products over `t` tokens: on its tier, for the
+/// types it handles, from [`AMX_MIN_TOKENS`] on, except those the integer
+/// kernels take at fast precision.
+fn on_amx(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
+    amx_takes(isa, w, t) && !fast_int8(isa, precision, w)
 }
 
 /// Runs `f` with `x (T, cols)` prepared for the kernels `weights` will use on
@@ -624,10 +641,11 @@ fn with_prepared<R>(
     weights: &[MatRef],
     f: impl FnOnce(&Prepared) -> R,
 ) -> R {
-    let want_amx = weights.iter().any(|w| on_amx(isa, precision, w));
-    let want_bf16 = weights.iter().any(|w| fast_bf16(isa, precision, w));
+    let t = x.len() / cols;
+    let want_amx = weights.iter().any(|w| on_amx(isa, precision, w, t));
+    let want_bf16 = weights.iter().any(|w| fast_bf16(isa, precision, w, t));
     let want_int8 = weights.iter().any(|w| fast_int8(isa, precision, w));
-    let want_lanes = weights.iter().any(|w| on_lanes(isa, precision, w, x.len() / cols));
+    let want_lanes = weights.iter().any(|w| on_lanes(isa, precision, w, t));
     PACKED.with(|packed| {
         ROUNDED.with(|rounded| {
             QUANTIZED.with(|quantized| {
@@ -666,7 +684,8 @@ fn product_rows(
     if let Some(acts) = prepared.int8.as_ref().filter(|_| fast_int8(isa, precision, &w)) {
         return with_weights!(w.weights, |F, data| gemm_int8::matmul_rows::<F>(isa, data, rows, acts, out));
     }
-    if let Some(packed) = prepared.amx.as_ref().filter(|_| on_amx(isa, precision, &w)) {
+    let t = x.len() / w.cols;
+    if let Some(packed) = prepared.amx.as_ref().filter(|_| on_amx(isa, precision, &w, t)) {
         let end = rows.start + rows.len() / 32 * 32;
         if end > rows.start {
             amx::matmul_rows(isa, w, rows.start..end, packed, &amx::OutRef { data: &out.data, stride: out.stride });
@@ -677,7 +696,7 @@ fn product_rows(
         return;
     }
     if let (Some(acts), Weights::Bf16(v)) = (prepared.bf16.as_ref(), w.weights) {
-        if fast_bf16(isa, precision, &w) {
+        if fast_bf16(isa, precision, &w, t) {
             return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
         }
     }
@@ -1194,7 +1213,7 @@ mod tests {
                             Weights::Int4(q) if fast_int8(isa, precision, &m) => {
                                 int8_reference::<crate::formats::Int4>(q, &x, cols, rows)
                             }
-                            Weights::Bf16(v) if fast_bf16(isa, precision, &m) => {
+                            Weights::Bf16(v) if fast_bf16(isa, precision, &m, t) => {
                                 let mut buf = Vec::new();
                                 let acts =
                                     gemm_bf16::prepare(Isa::scalar(), None, &x, cols, gemm_bf16::FAST_TERMS, &mut buf);
