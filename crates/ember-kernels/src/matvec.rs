@@ -221,19 +221,13 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
     let chunks = Chunks::new(rows, threads, ROW_ALIGN, MIN_CHUNK);
     with_acts(isa, x, &[gate, up], |acts| {
         let work = |_t: usize, _n: usize| {
+            let mut u = [0.0f32; SWIGLU_BLOCK];
             while let Some(r) = chunks.next_chunk() {
-                let (a, b) = (r.start, r.end);
                 // SAFETY: chunks are disjoint.
-                let o = unsafe { out.range(a, b) };
-                // Blocks of rows from each matrix in turn: both weight streams run
-                // through the fast multi-row kernel (a row of gate, then a row of
-                // up, took a third longer: it defeats the prefetching).
-                let mut u = [0.0f32; SWIGLU_BLOCK];
-                for (start, o) in (a..b).step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
-                    let end = start + o.len();
-                    let u = &mut u[..o.len()];
-                    matvec_rows(isa, gate.rows(start, end), acts, o);
-                    matvec_rows(isa, up.rows(start, end), acts, u);
+                let o = unsafe { out.range(r.start, r.end) };
+                for (start, o) in r.clone().step_by(SWIGLU_BLOCK).zip(o.chunks_mut(SWIGLU_BLOCK)) {
+                    let (end, u) = (start + o.len(), &mut u[..o.len()]);
+                    gate_up_rows(isa, gate.rows(start, end), up.rows(start, end), acts, o, u);
                     silu_mul_with(isa, o, u);
                 }
             }
@@ -245,8 +239,82 @@ pub fn matvec_swiglu(pool: &ThreadPool, gate: MatRef, up: MatRef, x: &[f32], out
     })
 }
 
-/// Rows of gate (then of up) processed together by [`matvec_swiglu`].
-const SWIGLU_BLOCK: usize = 256;
+/// Rows of gate and up computed together by [`matvec_swiglu`] (the
+/// intermediate values of one block of rows live on the stack).
+const SWIGLU_BLOCK: usize = 2048;
+
+/// `g = gate @ x`, `u = up @ x` for the same rows of both matrices.
+/// `gate`, `up (n, cols)`, `g`, `u (n,)`.
+///
+/// Of one weight type (as the quantization policies make them), they go
+/// through the four-row kernel together: rows of the two halves of gate and
+/// of the two halves of up, four memory streams that run over the whole
+/// block. Computing gate's rows and then up's in blocks of 256 (each with
+/// its own four streams) restarted the streams 38 times a layer; the joint
+/// form measured 2.4% faster over a layer's mat-vecs (one thread) and 4.6%
+/// on INT4 decoding (2 threads, alternated in one process, Emerald Rapids).
+fn gate_up_rows(isa: Isa, gate: MatRef, up: MatRef, acts: &Acts, g: &mut [f32], u: &mut [f32]) {
+    if gate.weights.ty() != up.weights.ty() {
+        matvec_rows(isa, gate, acts, g);
+        matvec_rows(isa, up, acts, u);
+        return;
+    }
+    let up_bytes = up.weights.as_bytes();
+    with_weights!(gate.weights, |F, gate_data| {
+        // Same type: up's bytes are blocks of F, aligned as they were stored.
+        let up_data: &[<F as Format>::Block] = bytemuck::cast_slice(up_bytes);
+        let x = <F as Format>::Act::pick(acts);
+        gate_up_rows_of::<F>(isa, gate_data, up_data, gate.cols, x, acts.a8x4, g, u)
+    })
+}
+
+/// [`gate_up_rows`] for one weight type. `gate`, `up (n * cols / BLOCK_LEN,)`
+/// blocks, `x` in the rows' activation format, `quads` as for [`rows_of`].
+#[allow(clippy::too_many_arguments)]
+fn gate_up_rows_of<F: Format>(
+    isa: Isa,
+    gate: &[F::Block],
+    up: &[F::Block],
+    cols: usize,
+    x: &[F::Act],
+    quads: &[BlockA8x4],
+    g: &mut [f32],
+    u: &mut [f32],
+) {
+    let n = g.len();
+    let per_row = cols / F::BLOCK_LEN;
+    assert_eq!(u.len(), n, "u length");
+    assert_eq!(gate.len(), n * per_row, "gate size");
+    assert_eq!(up.len(), n * per_row, "up size");
+    assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
+    let k = F::kernels(isa.tier());
+    let rows4_quads = k.rows4_quads.filter(|_| !quads.is_empty());
+    if rows4_quads.is_some() {
+        assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
+    }
+    let (g_row, u_row) =
+        (|i: usize| &gate[i * per_row..(i + 1) * per_row], |i: usize| &up[i * per_row..(i + 1) * per_row]);
+    let h = n / 2;
+    for j in 0..h {
+        let rows = [g_row(j), g_row(j + h), u_row(j), u_row(j + h)];
+        // SAFETY: `isa` proves the CPU has the tier's features; every row
+        // has `per_row` blocks, matching x and quads (checked above).
+        let out = unsafe {
+            match rows4_quads {
+                Some(kernel) => kernel(rows, quads),
+                None => (k.rows4)(rows, x),
+            }
+        };
+        [g[j], g[j + h], u[j], u[j + h]] = out;
+    }
+    if n % 2 == 1 {
+        // SAFETY: as above.
+        unsafe {
+            g[n - 1] = (k.dot)(g_row(n - 1), x);
+            u[n - 1] = (k.dot)(u_row(n - 1), x);
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -373,6 +441,40 @@ mod tests {
             let mut want = vec![0.0; m.rows];
             matvec_with(Isa::active(), *m, &x, &mut want);
             assert_eq!(&want, got);
+        }
+    }
+
+    #[test]
+    fn swiglu_over_blocks_and_mixed_types_matches_separate_steps() {
+        // Past two blocks of rows with a ragged, odd end; gate and up of one
+        // quantized type (the four-stream form) and of two (one at a time).
+        let (rows, cols) = (2 * SWIGLU_BLOCK + 37, 64);
+        let (g, u, x) = (synth(rows * cols, 11), synth(rows * cols, 12), synth(cols, 13));
+        let (mut g8, mut u8) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ8::ZERO; rows * cols / 32]);
+        let (mut g4, mut u4) = (vec![BlockQ4::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+        Int8::quantize_row(&g, &mut g8);
+        Int8::quantize_row(&u, &mut u8);
+        Int4::quantize_row(&g, &mut g4);
+        Int4::quantize_row(&u, &mut u4);
+        let m = |w: Weights<'static>| MatRef::new(w, rows, cols);
+        let leak8 = |v: Vec<BlockQ8>| &*Box::leak(v.into_boxed_slice());
+        let leak4 = |v: Vec<BlockQ4>| &*Box::leak(v.into_boxed_slice());
+        let (g8, u8, g4, u4) = (leak8(g8), leak8(u8), leak4(g4), leak4(u4));
+        let pairs = [
+            (m(Weights::Int4(g4)), m(Weights::Int4(u4))),
+            (m(Weights::Int8(g8)), m(Weights::Int8(u8))),
+            (m(Weights::Int8(g8)), m(Weights::Int4(u4))),
+        ];
+        for (gm, um) in pairs {
+            let (mut gy, mut uy) = (vec![0.0; rows], vec![0.0; rows]);
+            matvec_with(Isa::active(), gm, &x, &mut gy);
+            matvec_with(Isa::active(), um, &x, &mut uy);
+            crate::ops::silu_mul_with(Isa::active(), &mut gy, &uy);
+            for threads in [1, 2, 3] {
+                let mut out = vec![0.0; rows];
+                matvec_swiglu(&ThreadPool::new(threads), gm, um, &x, &mut out);
+                assert_eq!(out, gy, "{} gate, {} up, {threads} threads", gm.weights.ty(), um.weights.ty());
+            }
         }
     }
 
