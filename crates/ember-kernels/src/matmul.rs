@@ -218,29 +218,10 @@ const FEW_BLOCK_BYTES: usize = 24 * 1024;
 /// 152 KB) are taken in column blocks that fit ([`few_block`]): each block
 /// passes over all of the share's rows, reading their columns of the block
 /// (every weight is still read from memory once), and adds its partial sums
-/// to the outputs. Returns false where the tier has no such kernel.
-fn few_tokens_rows(
-    isa: Isa,
-    w: &[crate::formats::bf16],
-    cols: usize,
-    rows: std::ops::Range<usize>,
-    x: &[f32],
-    out: &Out,
-) -> bool {
-    // Whether the kernels are 512 bits wide, and how many columns they widen
-    // per load (the width of the even/odd split of the activations).
-    // The 256-bit kernel takes up to 4 tokens in one pass; more go to
-    // `lanes_rows` on those tiers, and activations past L1 to the panels
-    // (blocks of columns not measured there).
-    let t = x.len() / cols;
-    debug_assert!((1..=SMALL_BATCH).contains(&t));
-    let (wide, width) = match isa.tier() {
-        Tier::Scalar => return false,
-        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() || 4 * x.len() > SMALL_BATCH_BYTES => return false,
-        Tier::Avx2 | Tier::AvxVnni => (false, 16),
-        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => (true, 32),
-    };
-    let block = few_block(t, cols, width);
+/// to the outputs. The activations come split once per product
+/// ([`FewActs`], made where [`on_few`] says this kernel takes the product).
+fn few_tokens_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, few: &FewActs, out: &Out) {
+    let (t, block) = (few.tokens, few.block);
     // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2 and 3 (n
     // odd), i = n / 2; then the ragged rest two by two.
     let q = rows.len() / 4;
@@ -255,14 +236,12 @@ fn few_tokens_rows(
             [r, (r + 1).min(rows.end - 1)]
         }
     };
-    // The kernel splits each `width` weights into even and odd columns;
-    // the activations are split the same way, a block at a time.
-    let mut xp = FEW_X.with(|b| std::mem::take(&mut *b.borrow_mut()));
     let mut k0 = 0;
-    while k0 < cols {
+    for &start in few.starts {
         let k1 = (k0 + block).min(cols);
-        let start = split_for_few(x, cols, k0..k1, width, &mut xp);
-        let xs = &xp[start..];
+        // The kernel splits each `width` weights into even and odd columns;
+        // the activations were split the same way once for the product.
+        let xs = &few.data[start..start + t * (k1 - k0)];
         let seg = |r: usize| &w[r * cols + k0..r * cols + k1];
         // The rows two pairs on in each stream (past the block's last pair,
         // the next block's first), read from memory while pair `n`'s are
@@ -280,19 +259,19 @@ fn few_tokens_rows(
         for n in 0..pairs {
             let [r0, r1] = pair(n);
             let mut y = [[0.0f32; SMALL_BATCH]; 2];
-            if wide {
+            if few.wide {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512F is present (`isa` is the proof); both
-                // segments hold `k1 - k0` values, `xp` `t` tokens of them
-                // split for `width`.
+                // SAFETY: AVX-512F is present (`FewActs::wide` is set only on
+                // the AVX-512 tiers); both segments hold `k1 - k0` values,
+                // `xs` `t` tokens of them split for `width`.
                 unsafe {
                     y = avx512::rows2_bf16(t, [seg(r0), seg(r1)], xs, ahead(n))
                 };
             } else {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 and FMA are present (`isa` is the proof); both
-                // segments hold `k1 - k0` values, `xp` `t ≤ PASS` tokens
-                // split for `width`.
+                // SAFETY: AVX2 and FMA are present (`FewActs` exists only on
+                // the x86 tiers); both segments hold `k1 - k0` values, `xs`
+                // `t ≤ PASS` tokens split for `width`.
                 unsafe {
                     let part = avx2::rows2_pass([seg(r0), seg(r1)], xs, t, ahead(n));
                     for (yi, pi) in y.iter_mut().zip(&part) {
@@ -311,8 +290,75 @@ fn few_tokens_rows(
         }
         k0 = k1;
     }
-    FEW_X.with(|b| *b.borrow_mut() = xp);
-    true
+}
+
+/// Whether [`few_tokens_rows`] has kernels for `t` tokens of `cols`
+/// columns on `isa`'s tier, and their shape: `(wide, width)`, whether the
+/// kernels are 512 bits wide and how many columns they widen per load (the
+/// width of the even/odd split of the activations). The 256-bit kernel
+/// takes up to 4 tokens in one pass; more go to [`lanes_rows`] on those
+/// tiers, and activations past L1 to the panels (blocks of columns not
+/// measured there).
+fn few_layout(isa: Isa, t: usize, cols: usize) -> Option<(bool, usize)> {
+    if !(1..=SMALL_BATCH).contains(&t) || !cfg!(target_arch = "x86_64") {
+        return None;
+    }
+    match isa.tier() {
+        Tier::Scalar => None,
+        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() || 4 * t * cols > SMALL_BATCH_BYTES => None,
+        Tier::Avx2 | Tier::AvxVnni => Some((false, 16)),
+        Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => Some((true, 32)),
+    }
+}
+
+/// Whether `w`'s product for `t` tokens goes to [`few_tokens_rows`]: BF16
+/// weights, a few tokens, no faster kernel taking them first (AMX,
+/// `vdpbf16ps`, [`lanes_rows`]), and a kernel on this tier.
+fn on_few(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
+    matches!(w.weights, Weights::Bf16(_))
+        && !on_amx(isa, precision, w, t)
+        && !fast_bf16(isa, precision, w, t)
+        && !on_lanes(isa, precision, w, t)
+        && few_layout(isa, t, w.cols).is_some()
+}
+
+/// The activations of a product for [`few_tokens_rows`], split once by the
+/// calling thread and read by every thread (each chunk of rows split them
+/// anew before: 7168 values for 8 tokens of 896 columns, for each of the
+/// ~8 chunks of every section, 24 in gate/up's).
+struct FewActs<'a> {
+    tokens: usize,
+    /// 512-bit kernels (else 256-bit, whose split is for 16 columns a load
+    /// where the 512-bit one's is for 32).
+    wide: bool,
+    /// Columns per block ([`few_block`]).
+    block: usize,
+    /// Each block's activations laid out by [`split_for_few`], block `b`
+    /// from `starts[b]` (on a cache line).
+    data: &'a [f32],
+    starts: &'a [usize],
+}
+
+/// `x (T, cols)` split for [`few_tokens_rows`] into `buf`, one column
+/// block after another, each from a cache line; `None` where the tier has
+/// no such kernels.
+fn prepare_few<'a>(isa: Isa, x: &[f32], cols: usize, buf: &'a mut (Vec<f32>, Vec<usize>)) -> Option<FewActs<'a>> {
+    let t = x.len() / cols;
+    let (wide, width) = few_layout(isa, t, cols)?;
+    let block = few_block(t, cols, width);
+    let (data, starts) = buf;
+    data.clear();
+    starts.clear();
+    // Room for every block and its alignment, so the buffer never moves
+    // while it is filled (the alignment is of addresses).
+    data.reserve(t * cols + 16 * (cols.div_ceil(block) + 1));
+    let mut k0 = 0;
+    while k0 < cols {
+        let k1 = (k0 + block).min(cols);
+        starts.push(split_for_few(x, cols, k0..k1, width, data));
+        k0 = k1;
+    }
+    Some(FewActs { tokens: t, wide, block, data, starts })
 }
 
 /// Token counts whose products over BF16 weights [`lanes_rows`] takes on
@@ -471,24 +517,20 @@ fn avx2_pass() -> usize {
     return SMALL_BATCH;
 }
 
-thread_local! {
-    /// Each thread's activations split for [`few_tokens_rows`].
-    static FEW_X: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// `x (T, cols)` laid out for [`few_tokens_rows`]' kernels, which widen
-/// `width` BF16 weights per load into even and odd columns: for each whole
-/// `width` columns, every token's `width / 2` even columns then its odd
-/// ones (the tokens side by side, so a kernel reaches each at a fixed
-/// offset); then every token's ragged end as it is.
+/// Columns `span` of `x (T, cols)` laid out for [`few_tokens_rows`]'
+/// kernels, which widen `width` BF16 weights per load into even and odd
+/// columns: for each whole `width` columns, every token's `width / 2` even
+/// columns then its odd ones (the tokens side by side, so a kernel reaches
+/// each at a fixed offset); then every token's ragged end as it is.
+/// Appended to `xp`, from its first cache line boundary on; returns where
+/// it starts. `xp` must have the room reserved (it must not move).
 fn split_for_few(x: &[f32], cols: usize, span: std::ops::Range<usize>, width: usize, xp: &mut Vec<f32>) -> usize {
     let (t, len, half) = (x.len() / cols, span.len(), width / 2);
     let whole = len / width * width;
     // The layout starts on a cache line, so that no load of a whole vector
     // of it straddles two (the kernels make 8 such loads per weight load).
-    xp.clear();
-    xp.reserve(t * len + 16);
-    let start = xp.as_ptr().align_offset(64).min(15);
+    debug_assert!(xp.capacity() - xp.len() >= t * len + 16, "room reserved");
+    let start = xp.len() + xp[xp.len()..].as_ptr().align_offset(64).min(15);
     xp.resize(start, 0.0);
     for c in (0..whole).step_by(width) {
         for j in 0..t {
@@ -578,6 +620,7 @@ struct Prepared<'a> {
     lanes: Option<&'a [f32]>,
     bf16: Option<gemm_bf16::Acts<'a>>,
     int8: Option<gemm_int8::Acts<'a>>,
+    few: Option<FewActs<'a>>,
 }
 
 thread_local! {
@@ -589,6 +632,9 @@ thread_local! {
     static QUANTIZED: RefCell<Vec<crate::formats::BlockA8>> = const { RefCell::new(Vec::new()) };
     /// The caller's activations transposed for [`lanes_rows`].
     static TRANSPOSED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The caller's activations split for [`few_tokens_rows`], and where
+    /// each column block starts.
+    static FEW: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Whether the integer kernels take `w`'s products.
@@ -646,20 +692,29 @@ fn with_prepared<R>(
     let want_bf16 = weights.iter().any(|w| fast_bf16(isa, precision, w, t));
     let want_int8 = weights.iter().any(|w| fast_int8(isa, precision, w));
     let want_lanes = weights.iter().any(|w| on_lanes(isa, precision, w, t));
+    let want_few = weights.iter().any(|w| on_few(isa, precision, w, t));
     PACKED.with(|packed| {
         ROUNDED.with(|rounded| {
             QUANTIZED.with(|quantized| {
                 TRANSPOSED.with(|transposed| {
-                    let (mut packed, mut rounded, mut quantized, mut transposed) =
-                        (packed.borrow_mut(), rounded.borrow_mut(), quantized.borrow_mut(), transposed.borrow_mut());
-                    let prepared = Prepared {
-                        amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
-                        lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
-                        bf16: want_bf16
-                            .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
-                        int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
-                    };
-                    f(&prepared)
+                    FEW.with(|few| {
+                        let (mut packed, mut rounded, mut quantized, mut transposed, mut few) = (
+                            packed.borrow_mut(),
+                            rounded.borrow_mut(),
+                            quantized.borrow_mut(),
+                            transposed.borrow_mut(),
+                            few.borrow_mut(),
+                        );
+                        let prepared = Prepared {
+                            amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
+                            lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
+                            bf16: want_bf16
+                                .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
+                            int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
+                            few: if want_few { prepare_few(isa, x, cols, &mut few) } else { None },
+                        };
+                        f(&prepared)
+                    })
                 })
             })
         })
@@ -705,10 +760,12 @@ fn product_rows(
             return lanes_rows(v, w.cols, rows, x.len() / w.cols, xt, out);
         }
     }
-    if let Weights::Bf16(v) = w.weights {
-        if x.len() <= SMALL_BATCH * w.cols && few_tokens_rows(isa, v, w.cols, rows.clone(), x, out) {
-            return;
+    if let (Some(few), Weights::Bf16(v)) = (prepared.few.as_ref(), w.weights) {
+        if on_few(isa, precision, &w, t) {
+            return few_tokens_rows(v, w.cols, rows, few, out);
         }
+    }
+    if let Weights::Bf16(v) = w.weights {
         if gemm_bf16::f32_available(isa) && gemm_bf16::f32_handles(w.cols) {
             return gemm_bf16::matmul_rows_f32(isa, v, w.cols, rows, x, out);
         }
@@ -1183,9 +1240,17 @@ mod tests {
     fn every_tier_and_dtype_matches_the_reference() {
         // Shapes with ragged edges in rows (mod 4), tokens (mod 3, and past a
         // token block) and columns (mod 8).
-        for (rows, cols, t) in
-            [(1, 1, 1), (5, 9, 2), (17, 33, 7), (64, 128, 70), (13, 896, 4), (112, 64, 33), (208, 96, 3), (21, 2500, 8)]
-        {
+        for (rows, cols, t) in [
+            (1, 1, 1),
+            (5, 9, 2),
+            (17, 33, 7),
+            (64, 128, 70),
+            (13, 896, 4),
+            (112, 64, 33),
+            (208, 96, 3),
+            (21, 2500, 8),
+            (37, 1700, 6),
+        ] {
             let w = synth(rows * cols, rows as u64);
             let x = synth(t * cols, t as u64 + 99);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -1280,7 +1345,9 @@ mod tests {
     #[test]
     fn few_token_activations_start_on_a_cache_line() {
         let x = synth(8 * 300, 5);
-        let mut xp = Vec::new();
+        // Appended one after another into room reserved for all of them, as
+        // a product's column blocks are.
+        let mut xp = Vec::with_capacity(8 * (300 + 136 + 12) + 3 * 16);
         for span in [0..300, 64..200, 288..300] {
             let start = split_for_few(&x, 300, span.clone(), 32, &mut xp);
             assert_eq!(xp[start..].as_ptr() as usize % 64, 0);
