@@ -110,31 +110,63 @@ fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], qu
     let rows = y.len();
     let per_row = cols / F::BLOCK_LEN;
     assert_eq!(data.len(), rows * per_row, "matrix size");
-    assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
-    let k = F::kernels(isa.tier());
-    let rows4_quads = k.rows4_quads.filter(|_| !quads.is_empty());
-    if rows4_quads.is_some() {
-        assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
-    }
+    let k = RowKernels::<F>::new(isa, per_row, x, quads);
     let q = rows / 4;
     let row = |i: usize| &data[i * per_row..(i + 1) * per_row];
     for j in 0..q {
         let idx = [j, j + q, j + 2 * q, j + 3 * q];
-        // SAFETY: `isa` proves the CPU has the tier's features; every row
-        // has `per_row` blocks, matching x and quads (checked above).
-        let out = unsafe {
-            match rows4_quads {
-                Some(kernel) => kernel(idx.map(row), quads),
-                None => (k.rows4)(idx.map(row), x),
-            }
-        };
-        for (i, v) in idx.into_iter().zip(out) {
+        for (i, v) in idx.into_iter().zip(k.four(idx.map(row))) {
             y[i] = v;
         }
     }
     for (i, out) in y.iter_mut().enumerate().skip(4 * q) {
-        // SAFETY: as above.
-        *out = unsafe { (k.dot)(row(i), x) };
+        *out = k.one(row(i));
+    }
+}
+
+/// A tier's row kernels for one weight type, bound to the activations of
+/// one mat-vec: safe to call with rows of `per_row` blocks (checked). Made
+/// only from an [`Isa`], the proof that the CPU has the tier's features.
+struct RowKernels<'a, F: Format> {
+    kernels: crate::formats::Kernels<F>,
+    per_row: usize,
+    x: &'a [F::Act],
+    /// `x` four blocks at a time, where the tier's four-row kernel reads
+    /// them ([`crate::formats::Kernels::rows4_quads`]; empty otherwise).
+    quads: &'a [BlockA8x4],
+}
+
+impl<'a, F: Format> RowKernels<'a, F> {
+    fn new(isa: Isa, per_row: usize, x: &'a [F::Act], quads: &'a [BlockA8x4]) -> Self {
+        assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
+        let kernels = F::kernels(isa.tier());
+        if kernels.rows4_quads.is_some() && !quads.is_empty() {
+            assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
+        }
+        RowKernels { kernels, per_row, x, quads }
+    }
+
+    /// Four rows against the activations.
+    #[inline]
+    fn four(&self, rows: [&[F::Block]; 4]) -> [f32; 4] {
+        assert!(rows.iter().all(|r| r.len() == self.per_row), "row length");
+        // SAFETY: the kernels are those of an `Isa`'s tier (the CPU has its
+        // features); every row has `per_row` blocks, matching x and quads
+        // (checked).
+        unsafe {
+            match self.kernels.rows4_quads.filter(|_| !self.quads.is_empty()) {
+                Some(kernel) => kernel(rows, self.quads),
+                None => (self.kernels.rows4)(rows, self.x),
+            }
+        }
+    }
+
+    /// One row against the activations.
+    #[inline]
+    fn one(&self, row: &[F::Block]) -> f32 {
+        assert_eq!(row.len(), self.per_row, "row length");
+        // SAFETY: as in `four`.
+        unsafe { (self.kernels.dot)(row, self.x) }
     }
 }
 
@@ -286,33 +318,15 @@ fn gate_up_rows_of<F: Format>(
     assert_eq!(u.len(), n, "u length");
     assert_eq!(gate.len(), n * per_row, "gate size");
     assert_eq!(up.len(), n * per_row, "up size");
-    assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
-    let k = F::kernels(isa.tier());
-    let rows4_quads = k.rows4_quads.filter(|_| !quads.is_empty());
-    if rows4_quads.is_some() {
-        assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
-    }
+    let k = RowKernels::<F>::new(isa, per_row, x, quads);
     let (g_row, u_row) =
         (|i: usize| &gate[i * per_row..(i + 1) * per_row], |i: usize| &up[i * per_row..(i + 1) * per_row]);
     let h = n / 2;
     for j in 0..h {
-        let rows = [g_row(j), g_row(j + h), u_row(j), u_row(j + h)];
-        // SAFETY: `isa` proves the CPU has the tier's features; every row
-        // has `per_row` blocks, matching x and quads (checked above).
-        let out = unsafe {
-            match rows4_quads {
-                Some(kernel) => kernel(rows, quads),
-                None => (k.rows4)(rows, x),
-            }
-        };
-        [g[j], g[j + h], u[j], u[j + h]] = out;
+        [g[j], g[j + h], u[j], u[j + h]] = k.four([g_row(j), g_row(j + h), u_row(j), u_row(j + h)]);
     }
     if n % 2 == 1 {
-        // SAFETY: as above.
-        unsafe {
-            g[n - 1] = (k.dot)(g_row(n - 1), x);
-            u[n - 1] = (k.dot)(u_row(n - 1), x);
-        }
+        (g[n - 1], u[n - 1]) = (k.one(g_row(n - 1)), k.one(u_row(n - 1)));
     }
 }
 
