@@ -129,10 +129,12 @@ fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], qu
 /// only from an [`Isa`], the proof that the CPU has the tier's features.
 struct RowKernels<'a, F: Format> {
     kernels: crate::formats::Kernels<F>,
+    /// The tier's four-row kernel over `quads`, where it has one and the
+    /// activations were laid out for it ([`crate::formats::Kernels::rows4_quads`]).
+    rows4_quads: Option<crate::formats::Rows4QuadsKernel<F>>,
     per_row: usize,
     x: &'a [F::Act],
-    /// `x` four blocks at a time, where the tier's four-row kernel reads
-    /// them ([`crate::formats::Kernels::rows4_quads`]; empty otherwise).
+    /// `x` four blocks at a time (empty where no kernel reads them).
     quads: &'a [BlockA8x4],
 }
 
@@ -140,10 +142,11 @@ impl<'a, F: Format> RowKernels<'a, F> {
     fn new(isa: Isa, per_row: usize, x: &'a [F::Act], quads: &'a [BlockA8x4]) -> Self {
         assert_eq!(per_row * F::BLOCK_LEN, x.len() * F::Act::BLOCK_LEN, "x length");
         let kernels = F::kernels(isa.tier());
-        if kernels.rows4_quads.is_some() && !quads.is_empty() {
+        let rows4_quads = kernels.rows4_quads.filter(|_| !quads.is_empty());
+        if rows4_quads.is_some() {
             assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
         }
-        RowKernels { kernels, per_row, x, quads }
+        RowKernels { kernels, rows4_quads, per_row, x, quads }
     }
 
     /// Four rows against the activations.
@@ -154,7 +157,7 @@ impl<'a, F: Format> RowKernels<'a, F> {
         // features); every row has `per_row` blocks, matching x and quads
         // (checked).
         unsafe {
-            match self.kernels.rows4_quads.filter(|_| !self.quads.is_empty()) {
+            match self.rows4_quads {
                 Some(kernel) => kernel(rows, self.quads),
                 None => (self.kernels.rows4)(rows, self.x),
             }
@@ -470,15 +473,9 @@ mod tests {
         Int8::quantize_row(&u, &mut u8);
         Int4::quantize_row(&g, &mut g4);
         Int4::quantize_row(&u, &mut u4);
-        let m = |w: Weights<'static>| MatRef::new(w, rows, cols);
-        let leak8 = |v: Vec<BlockQ8>| &*Box::leak(v.into_boxed_slice());
-        let leak4 = |v: Vec<BlockQ4>| &*Box::leak(v.into_boxed_slice());
-        let (g8, u8, g4, u4) = (leak8(g8), leak8(u8), leak4(g4), leak4(u4));
-        let pairs = [
-            (m(Weights::Int4(g4)), m(Weights::Int4(u4))),
-            (m(Weights::Int8(g8)), m(Weights::Int8(u8))),
-            (m(Weights::Int8(g8)), m(Weights::Int4(u4))),
-        ];
+        let (g4, u4) = (MatRef::new(Weights::Int4(&g4), rows, cols), MatRef::new(Weights::Int4(&u4), rows, cols));
+        let (g8, u8) = (MatRef::new(Weights::Int8(&g8), rows, cols), MatRef::new(Weights::Int8(&u8), rows, cols));
+        let pairs = [(g4, u4), (g8, u8), (g8, u4)];
         for (gm, um) in pairs {
             let (mut gy, mut uy) = (vec![0.0; rows], vec![0.0; rows]);
             matvec_with(Isa::active(), gm, &x, &mut gy);
