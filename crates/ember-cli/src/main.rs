@@ -19,6 +19,7 @@ mod generate;
 mod quantize;
 mod runtime;
 mod sampling;
+mod serve;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -51,6 +52,9 @@ enum Command {
     Eval(eval::Args),
     /// Write a quantized copy of a model folder (loads instantly).
     Quantize(quantize::Args),
+    /// Serve the model over HTTP with OpenAI's API (chat and text
+    /// completions, streaming, tools), many users at once.
+    Serve(serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +64,7 @@ fn main() -> ExitCode {
         Some(Command::Chat(args)) => chat::run(args),
         Some(Command::Eval(args)) => eval::run(args),
         Some(Command::Quantize(args)) => quantize::run(args),
+        Some(Command::Serve(args)) => serve::run(args),
         None => generate::run(cli.generate),
     };
     match result {

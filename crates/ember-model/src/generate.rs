@@ -62,6 +62,15 @@ impl Context {
         self.cache.capacity()
     }
 
+    /// A new context holding a copy of the first `len` cached tokens of
+    /// this one (at most those cached) and nothing pending: a continuation
+    /// from a shared prefix that copies only the prefix's keys and values
+    /// (a server's prefix cache forks its entries so).
+    pub fn fork_prefix(&self, len: usize) -> Context {
+        let len = len.min(self.tokens.len());
+        Context { cache: self.cache.copy_prefix(len), tokens: self.tokens[..len].to_vec(), pending: Vec::new() }
+    }
+
     /// Forgets every token after the first `len` (cached or pending).
     pub fn rewind(&mut self, len: usize) {
         if len <= self.tokens.len() {

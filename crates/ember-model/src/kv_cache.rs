@@ -21,14 +21,23 @@ impl Clone for KvCache {
     /// A cache of the same capacity holding the same filled positions; only
     /// those are copied (the rest stays untouched, uncommitted memory).
     fn clone(&self) -> KvCache {
+        self.copy_prefix(self.len)
+    }
+}
+
+impl KvCache {
+    /// A cache of the same capacity holding the first `len` filled
+    /// positions of this one (at most those filled); only they are copied.
+    pub fn copy_prefix(&self, len: usize) -> KvCache {
+        let len = len.min(self.len);
         let mut c = KvCache::new(self.layers, self.capacity, self.kv_dim);
-        let n = self.len * self.kv_dim;
+        let n = len * self.kv_dim;
         for l in 0..self.layers {
             let start = l * self.capacity * self.kv_dim;
             c.keys[start..start + n].copy_from_slice(&self.keys[start..start + n]);
             c.values[start..start + n].copy_from_slice(&self.values[start..start + n]);
         }
-        c.len = self.len;
+        c.len = len;
         c
     }
 }
@@ -123,6 +132,11 @@ mod tests {
         assert_eq!((copy.len(), copy.capacity()), (2, 3));
         assert_eq!(copy.layer(0, 2), c.layer(0, 2));
         assert_eq!(copy.layer(1, 2), c.layer(1, 2));
+        let head = c.copy_prefix(1);
+        assert_eq!((head.len(), head.capacity()), (1, 3));
+        assert_eq!(head.layer(0, 1), c.layer(0, 1));
+        assert_eq!(head.layer(1, 1), c.layer(1, 1));
+        assert_eq!(c.copy_prefix(9).len(), 2, "at most what is filled");
         c.truncate(1);
         assert_eq!(c.len(), 1);
     }

@@ -109,3 +109,38 @@ fn stepping_sequences_together_equals_each_alone() {
     }
     assert_eq!(together, alone);
 }
+
+/// A context forked at a prefix (`Context::fork_prefix`) continues as if the
+/// prefix had been run afresh: same greedy tokens, and the source is intact.
+#[test]
+fn a_forked_prefix_continues_like_a_fresh_run() {
+    let r = reference("tiny-untied");
+    let dir = tiny_model("tiny-untied");
+    let model = Model::load(dir.path()).unwrap();
+    let prompt: Vec<u32> = r.ids.iter().chain(&r.ids).copied().collect();
+    let greedy =
+        GenerateOptions { max_tokens: 6, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let generate = |ctx: &mut Context, todo: Vec<u32>, reused: usize| {
+        let mut d = Decoding::new(&model, greedy.clone(), todo, reused).unwrap();
+        let mut out = Vec::new();
+        let mut scratch = Scratch::default();
+        while !d.is_done() {
+            step(&model, &mut scratch, 4, &mut [(&mut *ctx, &mut d)]).unwrap();
+            out.extend(d.take_token().map(|t| t.id));
+        }
+        out
+    };
+    let fresh = || Context::new(model.decoder().new_cache(64));
+    let mut whole = fresh();
+    let want = generate(&mut whole, prompt.clone(), 0);
+    let held = whole.tokens().to_vec();
+    for k in [1, 3, prompt.len() - 1] {
+        let mut fork = whole.fork_prefix(k);
+        assert_eq!(fork.tokens(), &prompt[..k]);
+        assert!(fork.pending().is_empty());
+        assert_eq!(generate(&mut fork, prompt[k..].to_vec(), k), want, "fork at {k}");
+    }
+    assert_eq!(whole.tokens(), &held[..], "the source is unchanged");
+    // Past what is cached, a fork holds all of it.
+    assert_eq!(whole.fork_prefix(10_000).tokens(), &held[..]);
+}
