@@ -5,7 +5,9 @@ mod convert;
 mod e2e;
 mod fetch;
 mod library;
+mod load;
 mod parity;
+mod serve_e2e;
 mod test;
 
 use anyhow::{bail, Context};
@@ -25,13 +27,19 @@ tasks:
                             of the quantized model's greedy text instead of a gate
   e2e                       the ember binary end to end on the real model: seeded
                             sampling, a piped two-turn chat
+  serve-e2e                 `ember serve` on the real model with the official openai Python
+                            client and curl (scripts/serve_e2e.py, pinned venv made here)
+  load [--url http://HOST:PORT] [--clients 1,4,8] [--max-tokens N] [--system-tokens N]
+       [--rounds N] [--api-key KEY] [--json]
+                            a bounded load test of an OpenAI-compatible server: concurrent
+                            streaming chats, aggregate tok/s and time to first token
   readme                    the README's library example in a fresh `cargo new` project
                             depending on ember-model by path, run on the real model
   package                   `cargo package` of the three library crates, and the packaged
                             ember-sample and ember-model tested from their .crate files
   test                      the whole suite: fetch, `cargo test --workspace` under every
-                            instruction-set tier this CPU has, then parity, e2e, readme
-                            and package
+                            instruction-set tier this CPU has, then parity, e2e,
+                            serve-e2e, readme and package
   help                      this text
 ";
 
@@ -45,6 +53,8 @@ fn main() -> ExitCode {
         "fetch" => fetch::run(rest),
         "parity" => parity::run(rest),
         "e2e" => e2e::run(rest),
+        "serve-e2e" => serve_e2e::run(rest),
+        "load" => load::run(rest),
         "readme" => library::readme(rest),
         "package" => library::package(rest),
         "test" => test::run(rest),

@@ -9,7 +9,8 @@
 //! 3. `cargo rustdoc -- -D missing-docs -D warnings` on the three library
 //!    crates (every public item documented, every intra-doc link resolving);
 //! 4. `cargo xtask parity` on the real model;
-//! 5. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model;
+//! 5. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model,
+//!    and `cargo xtask serve-e2e`: the server with the official openai client;
 //! 6. `cargo xtask readme`: the README's library example in a fresh project;
 //! 7. `cargo xtask package`: the library crates packaged, and their packaged
 //!    tests run from the packages alone.
@@ -56,6 +57,7 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     crate::parity::run(&[])?;
     crate::e2e::run(&[])?;
+    crate::serve_e2e::run(&[])?;
     crate::library::readme(&[])?;
     crate::library::package(&[])
 }
