@@ -23,8 +23,9 @@ pub struct Args {
     parallel: usize,
 
     /// Key-value cache positions for all sequences together, running and
-    /// kept for their prefixes (default: --parallel × --ctx). About 12 KB
-    /// per position for the 0.5B model.
+    /// kept for their prefixes (default: --parallel × --ctx). About 24 KB
+    /// per position for the 0.5B model (f32 keys and values, 24 layers);
+    /// memory is committed only as positions fill.
     #[arg(long, value_name = "TOKENS", env = "EMBER_KV_BUDGET")]
     kv_budget: Option<usize>,
 
