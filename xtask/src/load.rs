@@ -6,6 +6,7 @@
 //! ```text
 //! cargo xtask load --url http://127.0.0.1:8080 --clients 1,4,8,16 --max-tokens 128
 //! cargo xtask load --url ... --clients 8 --system-tokens 1000   # shared system prompt
+//! cargo xtask load --url ... --clients 1 --temperature 0          # greedy, as `ember bench` decodes
 //! ```
 //!
 //! Plain `std::net` and threads: HTTP/1.1, chunked server-sent events.
@@ -23,6 +24,7 @@ struct Args {
     system_tokens: usize,
     api_key: Option<String>,
     rounds: usize,
+    temperature: f64,
     json: bool,
 }
 
@@ -34,6 +36,7 @@ fn parse(args: &[String]) -> Result<Args> {
         system_tokens: 0,
         api_key: std::env::var("EMBER_API_KEY").ok(),
         rounds: 1,
+        temperature: 0.7,
         json: false,
     };
     let mut it = args.iter();
@@ -53,8 +56,9 @@ fn parse(args: &[String]) -> Result<Args> {
             "--system-tokens" => a.system_tokens = value()?.parse()?,
             "--api-key" => a.api_key = Some(value()?.clone()),
             "--rounds" => a.rounds = value()?.parse::<usize>()?.max(1),
+            "--temperature" => a.temperature = value()?.parse()?,
             "--json" => a.json = true,
-            other => bail!("unknown option `{other}` (load takes --url, --clients, --max-tokens, --system-tokens, --api-key, --rounds, --json)"),
+            other => bail!("unknown option `{other}` (load takes --url, --clients, --max-tokens, --system-tokens, --temperature, --api-key, --rounds, --json)"),
         }
     }
     Ok(a)
@@ -220,7 +224,7 @@ fn shared_prefix(a: &Args, count: usize) -> Result<()> {
         let body = json!({
             "model": "default", "stream": true, "stream_options": {"include_usage": true},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": prompt(i)}],
-            "max_tokens": a.max_tokens, "temperature": 0.7, "seed": i as u64,
+            "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": i as u64,
         });
         let o = stream_chat(&a.host, a.api_key.as_deref(), &body, Duration::from_secs(600))?;
         println!("request {i}: TTFT {:.3} s, cached prompt tokens {}, {} tokens", o.ttft, o.cached, o.tokens);
@@ -252,7 +256,7 @@ pub fn run(args: &[String]) -> Result<()> {
                     let body = json!({
                         "model": "default", "messages": messages, "stream": true,
                         "stream_options": {"include_usage": true},
-                        "max_tokens": a.max_tokens, "temperature": 0.7, "seed": (next + i) as u64,
+                        "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": (next + i) as u64,
                     });
                     let (host, key) = (a.host.clone(), a.api_key.clone());
                     std::thread::spawn(move || stream_chat(&host, key.as_deref(), &body, Duration::from_secs(600)))
