@@ -1411,6 +1411,331 @@ def chk_api_key_env(c: Ctx) -> str:
     return "EMBER_API_KEY honoured (401 without, 200 with)"
 
 
+# --------------------------------------------------------------------------
+# Batched decoding against solo decoding, and a burst past the queue limit.
+# Both use raw http.client requests timed from the moment of sending.
+
+
+@dataclass
+class Timed:
+    status: int
+    headers: dict  # lower-cased name -> value
+    body: bytes
+    secs: float  # from sending the request to the end of the body
+
+
+def timed_post(port: int, path: str, body: dict, *, timeout: float = HTTP_TIMEOUT) -> Timed:
+    """POSTs JSON with the key and reads the whole answer (an SSE stream too)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode()
+        h = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+        t0 = time.monotonic()
+        c.request("POST", path, body=data, headers=h)
+        r = c.getresponse()
+        hd = {k.lower(): v for k, v in r.getheaders()}
+        raw = r.read()
+        return Timed(r.status, hd, raw, time.monotonic() - t0)
+    finally:
+        c.close()
+
+
+def sse_split(raw: bytes) -> list[str]:
+    """The data of each SSE event in a whole stream body."""
+    events, cur = [], []
+    for line in raw.decode("utf-8").split("\n"):
+        s = line.rstrip("\r")
+        if s == "":
+            if cur:
+                events.append("\n".join(cur))
+                cur = []
+        elif s.startswith(":"):
+            continue
+        elif s.startswith("data:"):
+            cur.append(s[5:][1:] if s[5:].startswith(" ") else s[5:])
+        else:
+            raise Fail(f"unexpected SSE line {s!r}")
+    if cur:
+        raise Fail(f"stream ended inside an event (no blank line after {cur!r})")
+    return events
+
+
+def chat_stream_problem(events: list[str]) -> tuple[str | None, list[dict]]:
+    """(what is wrong or None, the chunks' choices[0]) of a streamed chat completion:
+    chunks of one id, role first, exactly one finish_reason on the last choice chunk, [DONE] last."""
+    if not events or events[-1] != "[DONE]" or events.count("[DONE]") != 1:
+        return f"[DONE] not the last (and only) event: {events[-2:]!r}", []
+    try:
+        objs = [json.loads(e) for e in events[:-1]]
+    except ValueError as e:
+        return f"an event is not JSON ({e}): {short(events[:3])}", []
+    bad = [o for o in objs if not isinstance(o, dict) or o.get("object") != "chat.completion.chunk"
+           or not isinstance(o.get("choices"), list)]
+    if bad:
+        return f"malformed chunk {short(bad[0])}", []
+    ids = {o.get("id") for o in objs}
+    if len(ids) != 1:
+        return f"chunk ids {ids}", []
+    chs = [o["choices"][0] for o in objs if o["choices"]]
+    if not chs or (chs[0].get("delta") or {}).get("role") != "assistant":
+        return f"first delta has no role assistant: {short(chs[:1])}", []
+    fins = [x.get("finish_reason") for x in chs if x.get("finish_reason")]
+    if len(fins) != 1 or fins[0] not in ("stop", "length") or not chs[-1].get("finish_reason"):
+        return f"finish_reasons {fins} (want one, stop or length, on the last chunk)", []
+    return None, chs
+
+
+BATCH_PARALLEL = 16
+BATCH_MAX_TOKENS = 24
+NEAR_TIE = 0.02  # solo top-2 logprob margin below which batched decoding may pick the other token
+BATCH_PROMPTS = [
+    "Why is the sky blue? Answer in one short sentence.",
+    "What does a compiler do? Explain it in one sentence.",
+    "Name three fruits that are red and say why.",
+    "Write a haiku about an old lighthouse.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give one tip for sleeping better at night.",
+    "Describe the smell of rain in a single sentence.",
+    "What is 17 times 23? Show the steps briefly.",
+    "Suggest a name for a small bakery in a quiet village.",
+    "Explain recursion to a ten year old child.",
+    "Translate 'good morning, my friend' into Spanish.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "What causes the seasons on Earth? Be brief.",
+    "List two advantages of riding a bicycle to work.",
+    "Write a Rust function that returns the larger of two integers.",
+    "Describe a cat sitting on a windowsill in one sentence.",
+]
+
+
+def batch_body(c: Ctx, i: int, stream: bool) -> dict:
+    b = {"model": c.model_id, "temperature": 0, "max_tokens": BATCH_MAX_TOKENS, "logprobs": True, "top_logprobs": 2,
+         "messages": [{"role": "system", "content": "You are a concise assistant."},
+                      {"role": "user", "content": BATCH_PROMPTS[i]}]}
+    if stream:
+        b["stream"] = True
+    return b
+
+
+def tok_key(e: dict):
+    b = e.get("bytes")
+    return tuple(b) if isinstance(b, list) else e.get("token")
+
+
+def top2_margin(e: dict) -> float:
+    tops = e.get("top_logprobs") or []
+    if len(tops) < 2:
+        raise Fail(f"an entry with {len(tops)} top_logprobs, want 2: {short(e)}")
+    return tops[0]["logprob"] - tops[1]["logprob"]
+
+
+def chk_greedy_batched(c: Ctx) -> str:
+    """Run on the third server (--parallel 16): 16 greedy streams at once equal each prompt's solo run,
+    up to the solo run's first near-tie (top-2 margin < NEAR_TIE)."""
+    n = len(BATCH_PROMPTS)
+    t_check = time.monotonic()
+    # Solo, one at a time.
+    solo = []
+    for i in range(n):
+        expect(time.monotonic() - t_check < 70, f"solo runs too slow: {i} of {n} done after 70s")
+        r = timed_post(c.port, "/v1/chat/completions", batch_body(c, i, False))
+        j = json.loads(r.body) if r.status == 200 else None
+        expect(r.status == 200 and isinstance(j, dict) and j.get("choices"),
+               f"solo #{i}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'))}")
+        ch = j["choices"][0]
+        lp = (ch.get("logprobs") or {}).get("content")
+        expect(isinstance(lp, list) and len(lp) == j["usage"]["completion_tokens"],
+               f"solo #{i}: logprobs.content {short(lp)} for {j['usage']['completion_tokens']} completion tokens")
+        solo.append((lp, ch.get("finish_reason"), ch["message"].get("content") or "", j["usage"]["prompt_tokens"]))
+    t_solo = time.monotonic() - t_check
+    # All at once, streamed.
+    out: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        try:
+            barrier.wait(timeout=10)
+            out[i] = timed_post(c.port, "/v1/chat/completions", batch_body(c, i, True), timeout=60)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out[i] = e
+
+    t1 = time.monotonic()
+    ths = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout=max(1.0, 75 - (time.monotonic() - t1)))
+    t_batch = time.monotonic() - t1
+    probs, full, cuts, worst_lp, compared = [], 0, [], 0.0, 0
+    for i, r in enumerate(out):
+        if r is None:
+            probs.append(f"#{i}: did not finish")
+            continue
+        if isinstance(r, BaseException):
+            probs.append(f"#{i}: {type(r).__name__}: {r}")
+            continue
+        if r.status != 200:
+            probs.append(f"#{i}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'), 150)}")
+            continue
+        try:
+            err, chs = chat_stream_problem(sse_split(r.body))
+        except (Fail, UnicodeDecodeError) as e:
+            err, chs = str(e), []
+        if err:
+            probs.append(f"#{i}: {err}")
+            continue
+        bat, missing = [], 0
+        for x in chs:
+            lpc = (x.get("logprobs") or {}).get("content")
+            if lpc:
+                bat += lpc
+            elif (x.get("delta") or {}).get("content"):
+                missing += 1
+        if missing:
+            probs.append(f"#{i}: {missing} chunks with content but no logprobs.content")
+            continue
+        bfin = chs[-1].get("finish_reason")
+        btext = "".join((x.get("delta") or {}).get("content") or "" for x in chs)
+        slp, sfin, stext, _ = solo[i]
+        cut, diff = None, None
+        try:
+            for k in range(max(len(slp), len(bat))):
+                if k < len(slp):
+                    m, who = top2_margin(slp[k]), "solo"
+                else:  # the solo run stopped here (its end-of-text choice has no entry): the batched run's margin
+                    m, who = top2_margin(bat[k]), "batched (solo ended)"
+                if m < NEAR_TIE:
+                    cut = (k, m, who)
+                    break
+                a = tok_key(slp[k]) if k < len(slp) else None
+                b = tok_key(bat[k]) if k < len(bat) else None
+                if a != b:
+                    diff = (f"#{i} {BATCH_PROMPTS[i][:30]!r}: token {k} differs with solo margin {m:.3f} >= {NEAR_TIE}: "
+                            f"solo {slp[k]['token'] if k < len(slp) else '<end, ' + str(sfin) + '>'!r} "
+                            f"(tops {[(t['token'], round(t['logprob'], 4)) for t in slp[k]['top_logprobs']] if k < len(slp) else '-'}), "
+                            f"batched {bat[k]['token'] if k < len(bat) else '<end, ' + str(bfin) + '>'!r} "
+                            f"(tops {[(t['token'], round(t['logprob'], 4)) for t in bat[k]['top_logprobs']] if k < len(bat) else '-'}); "
+                            f"solo text {stext!r}, batched text {btext!r}")
+                    break
+                worst_lp = max(worst_lp, abs(slp[k]["logprob"] - bat[k]["logprob"]))
+                compared += 1
+        except (Fail, KeyError, TypeError) as e:
+            probs.append(f"#{i}: malformed logprobs entry ({type(e).__name__}: {e})")
+            continue
+        if diff:
+            probs.append(diff)
+            continue
+        if cut is None:
+            if bfin != sfin or btext != stext:
+                probs.append(f"#{i}: same tokens but finish {bfin!r}/{sfin!r} or text {btext!r}/{stext!r} differ")
+                continue
+            full += 1
+        else:
+            cuts.append(cut)
+    expect(not probs, "; ".join(probs))
+    ptoks = [s[3] for s in solo]
+    cut_desc = ", ".join(f"@{k} ({m:.3f}{'' if who == 'solo' else ' ' + who})" for k, m, who in cuts)
+    return (f"{n} prompts ({min(ptoks)}-{max(ptoks)} tokens): solo {t_solo:.1f}s, {n} streams at once {t_batch:.1f}s; "
+            f"{full} equal to the end, {len(cuts)} cut at a near-tie{' ' + cut_desc if cuts else ''}; "
+            f"{compared} tokens compared, max |logprob diff| {worst_lp:.2e}")
+
+
+BURST_N = 64
+BURST_PROMPT_REFUSAL_SECS = 2.0
+
+
+def chk_burst(c: Ctx) -> str:
+    """Run on the main server (--parallel 4 --max-queue 8): 64 requests at once are served or refused promptly."""
+    n = BURST_N
+    out: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        try:
+            barrier.wait(timeout=20)
+            body = {"model": c.model_id, "temperature": 0, "max_tokens": 8, "stream": i % 2 == 0,
+                    "messages": [{"role": "user", "content": f"Say the number {i + 100} in words."}]}
+            out[i] = timed_post(c.port, "/v1/chat/completions", body, timeout=90)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out[i] = e
+
+    t0 = time.monotonic()
+    ths = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout=max(1.0, 100 - (time.monotonic() - t0)))
+    t_all = time.monotonic() - t0
+    probs, done, refused, statuses, slow_ref, slow_done, ras = [], 0, 0, {}, 0.0, 0.0, set()
+    for i, r in enumerate(out):
+        kind = "stream" if i % 2 == 0 else "whole"
+        if r is None:
+            probs.append(f"#{i} ({kind}): did not finish")
+            continue
+        if isinstance(r, BaseException):
+            probs.append(f"#{i} ({kind}): {type(r).__name__}: {r}")
+            continue
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+        if r.status == 200:
+            slow_done = max(slow_done, r.secs)
+            if i % 2 == 0:
+                if "text/event-stream" not in r.headers.get("content-type", ""):
+                    probs.append(f"#{i} (stream): content-type {r.headers.get('content-type')!r}")
+                    continue
+                try:
+                    err, _ = chat_stream_problem(sse_split(r.body))
+                except (Fail, UnicodeDecodeError) as e:
+                    err = str(e)
+                if err:
+                    probs.append(f"#{i} (stream): {err}")
+                    continue
+            else:
+                try:
+                    j = json.loads(r.body)
+                except ValueError:
+                    j = None
+                ch = (j.get("choices") or [None])[0] if isinstance(j, dict) else None
+                if (not isinstance(ch, dict) or j.get("object") != "chat.completion"
+                        or not isinstance((ch.get("message") or {}).get("content"), str)
+                        or ch.get("finish_reason") not in ("stop", "length")
+                        or not isinstance(j.get("usage"), dict) or not 0 < j["usage"].get("completion_tokens", 0) <= 8):
+                    probs.append(f"#{i} (whole): 200 but not a well-formed chat completion: {short(r.body.decode('utf-8', 'replace'))}")
+                    continue
+            done += 1
+        elif r.status in (429, 503):
+            refused += 1
+            slow_ref = max(slow_ref, r.secs)
+            p = error_shape_problems(Resp(r.status, r.headers, r.body), (429, 503))
+            ra = r.headers.get("retry-after")
+            if not ra:
+                p.append("no Retry-After header")
+            elif not re.fullmatch(r"\d+", ra.strip()):
+                p.append(f"Retry-After {ra!r} is not a number of seconds")
+            else:
+                ras.add(ra.strip())
+            if r.secs > BURST_PROMPT_REFUSAL_SECS:
+                p.append(f"refused only after {r.secs:.1f}s (want within {BURST_PROMPT_REFUSAL_SECS:.0f}s)")
+            if p:
+                probs.append(f"#{i} ({kind}): {r.status}: {', '.join(p)}")
+        else:
+            probs.append(f"#{i} ({kind}): HTTP {r.status} {short(r.body.decode('utf-8', 'replace'), 200)}")
+    if not probs and refused == 0:
+        probs.append(f"all {n} requests were served; none refused with --parallel 4 --max-queue 8")
+    if not probs and done == 0:
+        probs.append("no request was served")
+    h = c.curl(c.port, "GET", "/health", auth=None, timeout=10)
+    if h.status != 200:
+        probs.append(f"/health after the burst: {h}")
+    after = c.chat([{"role": "user", "content": "Say OK."}], temperature=0, max_tokens=4)
+    if after.choices[0].finish_reason not in ("stop", "length") or after.choices[0].message.content is None:
+        probs.append(f"request after the burst: {after!r}")
+    expect(c.server.alive(), "the server process died")
+    expect(not probs, "; ".join(probs[:8]) + (f"; ... {len(probs) - 8} more" if len(probs) > 8 else ""))
+    return (f"{n} at once (half streamed): {done} completed (slowest {slow_done:.1f}s), {refused} refused "
+            f"{dict(sorted((k, v) for k, v in statuses.items() if k != 200))} with Retry-After {sorted(ras)} "
+            f"(slowest refusal {slow_ref:.2f}s); all in {t_all:.1f}s; then health 200 and a chat ok")
+
+
 def no_panic(server: Server) -> str:
     text = server.log_text()
     hits = [ln for ln in text.splitlines() if "panicked" in ln or "RUST_BACKTRACE" in ln]
@@ -1450,7 +1775,9 @@ MAIN_CHECKS = [
     ("still_serving", chk_still_serving),
     ("disconnect", chk_disconnect),
     ("metrics", chk_metrics),
+    ("burst_64", chk_burst),
 ]
+BATCH_CHECKS = [("greedy_batched_equals_solo", chk_greedy_batched)]
 QUEUE_CHECKS = [("api_key_env", chk_api_key_env), ("queue_full", chk_queue_full)]
 
 
@@ -1501,13 +1828,13 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = ap.parse_args()
     if args.list:
-        for n, _ in MAIN_CHECKS + QUEUE_CHECKS:
+        for n, _ in MAIN_CHECKS + BATCH_CHECKS + QUEUE_CHECKS:
             print(n)
         return 0
     if not args.ember or not args.model:
         ap.error("--ember and --model are required")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    known = {n for n, _ in MAIN_CHECKS + QUEUE_CHECKS}
+    known = {n for n, _ in MAIN_CHECKS + BATCH_CHECKS + QUEUE_CHECKS}
     if only - known:
         ap.error(f"unknown checks {sorted(only - known)}; --list names them")
     if shutil.which("curl") is None:
@@ -1534,6 +1861,7 @@ def main() -> int:
     try:
         main_wanted = not only or any(n in only for n, _ in MAIN_CHECKS)
         queue_wanted = not only or any(n in only for n, _ in QUEUE_CHECKS)
+        batch_wanted = not only or any(n in only for n, _ in BATCH_CHECKS)
         if main_wanted:
             s = Server(ember, model, ["--parallel", "4", "--api-key", API_KEY, "--max-queue", "8", *extra_name,
                                       *args.server_arg], workdir, "main")
@@ -1555,6 +1883,25 @@ def main() -> int:
                     res.ok("no_panic", no_panic(s))
                 except Fail as e:
                     res.fail("no_panic", str(e))
+        if batch_wanted:
+            b = Server(ember, model, ["--parallel", str(BATCH_PARALLEL), "--ctx", "512", "--api-key", API_KEY,
+                                      *extra_name, *args.server_arg], workdir, "batch")
+            servers.append(b)
+            print(f"# {' '.join(b.cmd)}", flush=True)
+            try:
+                dt = b.wait_ready()
+                res.info("startup", f"third server /health 200 after {dt:.1f}s on port {b.port}")
+                ctx = Ctx(args, b, workdir)
+                run_checks(ctx, BATCH_CHECKS, res, only, t_start - 60)  # it gets a minute more
+            except Fail as e:
+                for n, _ in BATCH_CHECKS:
+                    res.fail(n, f"no server: {e}")
+            b.stop()
+            if not only:
+                try:
+                    res.ok("no_panic_batch", no_panic(b))
+                except Fail as e:
+                    res.fail("no_panic_batch", str(e))
         if queue_wanted:
             q = Server(ember, model, ["--parallel", "1", "--max-queue", "1", *extra_name, *args.server_arg],
                        workdir, "queue", env_extra={"EMBER_API_KEY": API_KEY})

@@ -92,7 +92,8 @@ fn prompt(i: usize) -> String {
 
 /// About `tokens` tokens of shared system prompt.
 fn system_prompt(tokens: usize) -> String {
-    let sentence = "You are a careful assistant working for a documentation team; answer accurately and in plain English. ";
+    let sentence =
+        "You are a careful assistant working for a documentation team; answer accurately and in plain English. ";
     // About 20 tokens per sentence.
     sentence.repeat(tokens.div_ceil(20))
 }
@@ -189,8 +190,8 @@ pub fn stream_chat(host: &str, key: Option<&str>, body: &Value, timeout: Duratio
                 }
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     usage_tokens = u["completion_tokens"].as_u64().map(|n| n as usize);
-                    cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0)
-                        as usize;
+                    cached =
+                        u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
                 }
             }
         }
@@ -231,7 +232,12 @@ fn shared_prefix(a: &Args, count: usize) -> Result<()> {
         ttfts.push(o.ttft);
     }
     let worst = ttfts[1..].iter().copied().fold(0.0, f64::max);
-    println!("shared prefix: first TTFT {:.3} s, later ones at most {:.3} s ({:.0}% of the first)", ttfts[0], worst, 100.0 * worst / ttfts[0]);
+    println!(
+        "shared prefix: first TTFT {:.3} s, later ones at most {:.3} s ({:.0}% of the first)",
+        ttfts[0],
+        worst,
+        100.0 * worst / ttfts[0]
+    );
     Ok(())
 }
 
@@ -263,8 +269,10 @@ pub fn run(args: &[String]) -> Result<()> {
                 })
                 .collect();
             next += clients;
-            let results: Vec<Result<Outcome>> =
-                handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))).collect();
+            let results: Vec<Result<Outcome>> = handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked"))))
+                .collect();
             let wall = started.elapsed().as_secs_f64();
             let ok: Vec<&Outcome> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
             for e in results.iter().filter_map(|r| r.as_ref().err()) {

@@ -38,6 +38,11 @@ pub struct Args {
     #[arg(long, default_value_t = 64, env = "EMBER_MAX_QUEUE")]
     max_queue: usize,
 
+    /// After SIGTERM or Ctrl-C, seconds the requests in flight may take to
+    /// finish before the server exits.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS", env = "EMBER_SHUTDOWN_GRACE")]
+    shutdown_grace: u64,
+
     /// The model id clients see (default: the model folder's name).
     #[arg(long, env = "EMBER_MODEL_NAME")]
     model_name: Option<String>,
@@ -79,6 +84,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_chunk: args.runtime.prefill_chunk,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_queue: args.max_queue,
+        shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
     };
     let runtime = args.runtime;
     ember_server::serve(

@@ -300,7 +300,8 @@ impl Decoding {
         }
         if self.stats.generated >= self.options.max_tokens {
             self.stop(ctx, StopReason::MaxTokens);
-        } else if ctx.tokens.len() + self.todo.len() > ctx.capacity() {
+        } else if ctx.tokens.len() + (self.todo.len() - self.done_todo) > ctx.capacity() {
+            // (Tokens of a prompt that ran in earlier passes are in the context.)
             self.stop(ctx, StopReason::ContextFull);
         }
     }
@@ -453,17 +454,56 @@ pub fn step(
     }
     // The batch buffer lives in the scratch, reused from step to step.
     let mut batch = std::mem::take(&mut scratch.batch);
-    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch);
+    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch, usize::MAX);
     scratch.batch = batch;
     ran?;
-    let elapsed = start.elapsed();
+    sample_ready(model, seqs, start.elapsed())
+}
+
+/// One forward pass of several sequences together: every live sequence runs
+/// its next waiting tokens (at most `chunk` of them), and those whose
+/// waiting tokens have all run sample their next token (found with
+/// [`Decoding::take_token`]); a sequence still in the middle of a long
+/// prompt samples nothing this time.
+///
+/// [`step`] runs a long prompt to its end before anyone samples; `advance`
+/// is the same work cut at every pass, for a scheduler that keeps other
+/// sequences' tokens flowing while a long prompt arrives: each call costs
+/// one forward pass, whose size is the sequences' next tokens plus at most
+/// `chunk` tokens of each prompt. Called until every sequence is done, it
+/// produces the same tokens as [`step`].
+pub fn advance(
+    model: &Model,
+    scratch: &mut Scratch,
+    chunk: usize,
+    seqs: &mut [(&mut Context, &mut Decoding)],
+) -> Result<()> {
+    let start = Instant::now();
+    for (ctx, d) in seqs.iter_mut() {
+        d.ready(ctx);
+    }
+    let mut batch = std::mem::take(&mut scratch.batch);
+    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch, 1);
+    scratch.batch = batch;
+    ran?;
+    sample_ready(model, seqs, start.elapsed())
+}
+
+/// Samples the next token of every live sequence whose waiting tokens have
+/// all run, charging `elapsed` to its prompt or decode time.
+fn sample_ready(model: &Model, seqs: &mut [(&mut Context, &mut Decoding)], elapsed: Duration) -> Result<()> {
     for (ctx, d) in seqs.iter_mut() {
         if d.done {
             continue;
         }
+        if d.done_todo < d.todo.len() {
+            // Part of a long prompt ran; the rest runs at the next pass.
+            d.stats.prefill += elapsed;
+            continue;
+        }
         if d.stats.generated == 0 {
             d.stats.prompt_tokens = d.todo.len();
-            d.stats.prefill = elapsed;
+            d.stats.prefill += elapsed;
             d.history.extend_from_slice(&ctx.tokens);
         } else {
             d.stats.decode_tokens += d.todo.len();
@@ -475,16 +515,18 @@ pub fn step(
 }
 
 /// Runs every live sequence's waiting tokens, at most `chunk` of each per
-/// forward pass, leaving each one's logits after its last token.
+/// forward pass and at most `passes` passes, leaving the logits after the
+/// last token of each sequence that ran all of them.
 fn run_waiting(
     model: &Model,
     scratch: &mut Scratch,
     chunk: usize,
     seqs: &mut [(&mut Context, &mut Decoding)],
     batch: &mut Vec<BatchToken>,
+    passes: usize,
 ) -> Result<()> {
     let vocab = model.config().vocab_size;
-    loop {
+    for _ in 0..passes {
         batch.clear();
         for (s, (ctx, d)) in seqs.iter_mut().enumerate().filter(|(_, (_, d))| !d.done) {
             let from = d.done_todo;
@@ -519,4 +561,5 @@ fn run_waiting(
             }
         }
     }
+    Ok(())
 }

@@ -295,7 +295,7 @@ pub mod advanced {
     //! # Ok::<(), ember_model::Error>(())
     //! ```
 
-    pub use crate::generate::{step, Context, Decoding};
+    pub use crate::generate::{advance, step, Context, Decoding};
     pub use crate::kv_cache::KvCache;
     pub use crate::model::{init_threads, load_qwen2, physical_cores};
     pub use crate::qwen2::{

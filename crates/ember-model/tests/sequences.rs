@@ -144,3 +144,44 @@ fn a_forked_prefix_continues_like_a_fresh_run() {
     // Past what is cached, a fork holds all of it.
     assert_eq!(whole.fork_prefix(10_000).tokens(), &held[..]);
 }
+
+/// `advance` cuts a long prompt into passes while the other sequences keep
+/// producing a token per pass, and ends with the same tokens as `step`.
+#[test]
+fn advance_keeps_tokens_flowing_during_a_long_prompt_and_equals_step() {
+    let r = reference("tiny-untied");
+    let dir = tiny_model("tiny-untied");
+    let model = Model::load(dir.path()).unwrap();
+    let options =
+        GenerateOptions { max_tokens: 6, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let long: Vec<u32> = r.ids.iter().cycle().take(5 * r.ids.len()).copied().collect();
+    let prompts: [&[u32]; 3] = [&r.ids[..2], &long, &[5]];
+    let run = |one_pass: bool| {
+        let mut ctxs: Vec<Context> = prompts.iter().map(|_| Context::new(model.decoder().new_cache(128))).collect();
+        let mut decs: Vec<Decoding> =
+            prompts.iter().map(|p| Decoding::new(&model, options.clone(), p.to_vec(), 0).unwrap()).collect();
+        let mut out = vec![Vec::new(); prompts.len()];
+        let mut per_pass = Vec::new();
+        let mut scratch = Scratch::default();
+        while decs.iter().any(|d| !d.is_done()) {
+            let mut seqs: Vec<(&mut Context, &mut Decoding)> = ctxs.iter_mut().zip(decs.iter_mut()).collect();
+            if one_pass {
+                ember_model::advanced::advance(&model, &mut scratch, 3, &mut seqs).unwrap();
+            } else {
+                step(&model, &mut scratch, 3, &mut seqs).unwrap();
+            }
+            let got: Vec<bool> =
+                decs.iter_mut().zip(&mut out).map(|(d, o)| d.take_token().map(|t| o.push(t.id)).is_some()).collect();
+            per_pass.push(got);
+        }
+        (out, per_pass)
+    };
+    let (stepped, _) = run(false);
+    let (advanced, passes) = run(true);
+    assert_eq!(advanced, stepped);
+    // While the long prompt (3 tokens a pass) was running, the short ones
+    // already produced a token at every pass.
+    let prefill_passes = long.len().div_ceil(3);
+    assert!(passes[..prefill_passes - 1].iter().all(|p| !p[1]), "{passes:?}");
+    assert!(passes[1..prefill_passes.min(6)].iter().all(|p| p[0] && p[2]), "{passes:?}");
+}

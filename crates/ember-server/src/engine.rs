@@ -4,11 +4,16 @@
 //!
 //! Requests arrive as [`Job`]s on a channel. Each pass of the loop admits
 //! waiting jobs while there is a free slot (`--parallel`) and room in the KV
-//! budget, then runs one [`step`] over all running sequences: one forward
-//! pass reads the weights once for every sequence's next token (and the new
-//! ones' prompts, in chunks). Tokens go back to each request's handler on its
-//! own channel; a handler that went away (the client disconnected) cancels
-//! its sequence at the next step.
+//! budget, then runs one [`advance`] over all running sequences: one forward
+//! pass reads the weights once for every sequence's next token, plus at most
+//! `prefill_chunk` tokens of each new prompt (a long prompt takes several
+//! passes, and the running streams get a token at each of them). Tokens go
+//! back to each request's handler on its own channel; a handler that went
+//! away (the client disconnected) cancels its sequence before the next pass.
+//!
+//! Nothing here knows HTTP: the scheduler takes jobs and sends events, and
+//! `http` depends on it, not the other way round; a program can run an
+//! [`Engine`] with its own front end.
 //!
 //! **Prefix cache.** A finished sequence's context (prompt and reply, their
 //! keys and values) is kept. A new prompt starts from the kept context
@@ -24,7 +29,7 @@
 //! so a step never runs out of room.
 
 use crate::metrics::Metrics;
-use ember_model::advanced::{step, Context, Decoding, Scratch};
+use ember_model::advanced::{advance, Context, Decoding, Scratch};
 use ember_model::{GenerateOptions, Model, StopReason, Token};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -323,12 +328,12 @@ impl Scheduler {
         }
     }
 
-    /// One forward pass (or a few, for long prompts) for every running
-    /// sequence, then their tokens out and the finished ones retired.
+    /// One forward pass for every running sequence, then their tokens out
+    /// and the finished ones retired.
     fn step(&mut self) {
         let mut seqs: Vec<(&mut Context, &mut Decoding)> =
             self.running.iter_mut().map(|r| (&mut r.ctx, &mut r.decoding)).collect();
-        let result = step(&self.model, &mut self.scratch, self.limits.prefill_chunk, &mut seqs);
+        let result = advance(&self.model, &mut self.scratch, self.limits.prefill_chunk, &mut seqs);
         drop(seqs);
         if let Err(e) = result {
             // An engine error ends every running sequence with it.

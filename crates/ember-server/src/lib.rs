@@ -10,7 +10,7 @@
 //! - [`api`]: OpenAI's wire format, validated into a prompt and
 //!   [`ember_model::GenerateOptions`], and its error shape;
 //! - [`engine`]: the scheduler thread that steps every running sequence in
-//!   one forward pass per token ([`ember_model::advanced::step`]) and keeps
+//!   one forward pass per token ([`ember_model::advanced::advance`]) and keeps
 //!   finished sequences' keys and values for the prompts that share their
 //!   prefix;
 //! - [`metrics`]: the Prometheus counters.
@@ -52,6 +52,9 @@ pub struct Config {
     pub api_key: Option<String>,
     /// Requests that may wait for a slot (more get 503).
     pub max_queue: usize,
+    /// After SIGTERM or Ctrl-C, how long requests in flight may take to
+    /// finish before the server exits anyway.
+    pub shutdown_grace: std::time::Duration,
 }
 
 pub(crate) fn digest(key: &str) -> [u8; 32] {
@@ -131,6 +134,10 @@ pub fn serve(
         });
         let failure = Arc::new(std::sync::Mutex::new(None));
         let f = Arc::clone(&failure);
+        // Stopping: a signal (or a failed load) closes the listener, and the
+        // requests in flight get `shutdown_grace` to finish.
+        let stopping = Arc::new(tokio::sync::Notify::new());
+        let notify = Arc::clone(&stopping);
         let stop = async move {
             let load_failed = async {
                 match failed_rx.await {
@@ -143,8 +150,16 @@ pub fn serve(
                 _ = shutdown_signal() => {},
                 _ = load_failed => {},
             }
+            notify.notify_one();
         };
-        axum::serve(listener, http::router(state)).with_graceful_shutdown(stop).await.context("serving HTTP")?;
+        let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(stop);
+        let grace = config.shutdown_grace;
+        tokio::select! {
+            r = server => r.context("serving HTTP")?,
+            _ = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
+                tracing::warn!("requests still running after {} s; exiting", grace.as_secs());
+            }
+        }
         if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
             return Err(e.context("loading the model"));
         }

@@ -26,6 +26,7 @@ fn start(parallel: usize, context: usize, max_queue: usize, key: Option<&str>) -
         prefill_chunk: 16,
         api_key: key.map(str::to_string),
         max_queue,
+        shutdown_grace: Duration::from_secs(5),
     };
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
