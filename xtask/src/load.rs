@@ -1,7 +1,9 @@
 //! `cargo xtask load`: a bounded load generator for OpenAI-compatible
-//! servers (`ember serve`, llama-server, vLLM...). Each client sends one
-//! streaming chat request with its own prompt; the run reports aggregate
-//! output tokens per second, time to first token (median, p90) and errors.
+//! servers (`ember serve`, llama-server, vLLM...). C clients send streaming
+//! chat requests, each with its own prompt (one each, or `--requests N` in
+//! all, a client sending its next when its last is done); a round reports
+//! requests/s, aggregate output tokens/s, time to first token (p50, p90,
+//! p99), inter-token latency (p50, p99), cached prompt tokens and errors.
 //!
 //! ```text
 //! cargo xtask load --url http://127.0.0.1:8080 --clients 1,4,8,16 --max-tokens 128
@@ -24,6 +26,7 @@ struct Args {
     system_tokens: usize,
     api_key: Option<String>,
     rounds: usize,
+    requests: Option<usize>,
     temperature: f64,
     json: bool,
 }
@@ -36,6 +39,7 @@ fn parse(args: &[String]) -> Result<Args> {
         system_tokens: 0,
         api_key: std::env::var("EMBER_API_KEY").ok(),
         rounds: 1,
+        requests: None,
         temperature: 0.7,
         json: false,
     };
@@ -57,8 +61,9 @@ fn parse(args: &[String]) -> Result<Args> {
             "--api-key" => a.api_key = Some(value()?.clone()),
             "--rounds" => a.rounds = value()?.parse::<usize>()?.max(1),
             "--temperature" => a.temperature = value()?.parse()?,
+            "--requests" => a.requests = Some(value()?.parse::<usize>()?.max(1)),
             "--json" => a.json = true,
-            other => bail!("unknown option `{other}` (load takes --url, --clients, --max-tokens, --system-tokens, --temperature, --api-key, --rounds, --json)"),
+            other => bail!("unknown option `{other}` (load takes --url, --clients, --max-tokens, --system-tokens, --temperature, --requests, --api-key, --rounds, --json)"),
         }
     }
     Ok(a)
@@ -107,6 +112,8 @@ pub struct Outcome {
     pub tokens: usize,
     /// Cached prompt tokens the server reported.
     pub cached: usize,
+    /// Seconds between consecutive content chunks (inter-token latency).
+    pub gaps: Vec<f64>,
 }
 
 /// Sends one streaming chat request and reads its events to the end.
@@ -129,6 +136,7 @@ pub fn stream_chat(host: &str, key: Option<&str>, body: &Value, timeout: Duratio
     let mut consumed = 0; // bytes of `raw` after the head that are dechunked
     let mut text = String::new();
     let (mut ttft, mut chunks, mut usage_tokens, mut cached, mut done) = (None, 0usize, None, 0usize, false);
+    let (mut gaps, mut last) = (Vec::new(), None::<Instant>);
     loop {
         let n = s.read(&mut buf).context("reading the stream")?;
         if n == 0 {
@@ -184,6 +192,11 @@ pub fn stream_chat(host: &str, key: Option<&str>, body: &Value, timeout: Duratio
                 if let Some(c) = v.pointer("/choices/0/delta/content").and_then(Value::as_str) {
                     if !c.is_empty() {
                         ttft.get_or_insert_with(|| started.elapsed().as_secs_f64());
+                        let now = Instant::now();
+                        if let Some(l) = last {
+                            gaps.push(now.duration_since(l).as_secs_f64());
+                        }
+                        last = Some(now);
                         chunks += 1;
                         text.push_str(c);
                     }
@@ -205,6 +218,7 @@ pub fn stream_chat(host: &str, key: Option<&str>, body: &Value, timeout: Duratio
         ttft: ttft.unwrap_or_else(|| started.elapsed().as_secs_f64()),
         tokens: usage_tokens.unwrap_or(chunks),
         cached,
+        gaps,
     })
 }
 
@@ -252,26 +266,40 @@ pub fn run(args: &[String]) -> Result<()> {
     for &clients in &a.clients {
         for round in 0..a.rounds {
             let started = Instant::now();
+            // Each client sends its requests one after another until the
+            // round's total (`--requests`, default one each) is taken.
+            let total = a.requests.unwrap_or(clients);
+            let taken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let handles: Vec<_> = (0..clients)
-                .map(|i| {
-                    let mut messages = Vec::new();
-                    if let Some(s) = &system {
-                        messages.push(json!({"role": "system", "content": s}));
-                    }
-                    messages.push(json!({"role": "user", "content": prompt(next + i)}));
-                    let body = json!({
-                        "model": "default", "messages": messages, "stream": true,
-                        "stream_options": {"include_usage": true},
-                        "max_tokens": a.max_tokens, "temperature": a.temperature, "seed": (next + i) as u64,
-                    });
-                    let (host, key) = (a.host.clone(), a.api_key.clone());
-                    std::thread::spawn(move || stream_chat(&host, key.as_deref(), &body, Duration::from_secs(600)))
+                .map(|_| {
+                    let (host, key, taken) = (a.host.clone(), a.api_key.clone(), taken.clone());
+                    let (system, max_tokens, temperature, base) = (system.clone(), a.max_tokens, a.temperature, next);
+                    std::thread::spawn(move || {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            if i >= total {
+                                return out;
+                            }
+                            let mut messages = Vec::new();
+                            if let Some(s) = &system {
+                                messages.push(json!({"role": "system", "content": s}));
+                            }
+                            messages.push(json!({"role": "user", "content": prompt(base + i)}));
+                            let body = json!({
+                                "model": "default", "messages": messages, "stream": true,
+                                "stream_options": {"include_usage": true},
+                                "max_tokens": max_tokens, "temperature": temperature, "seed": (base + i) as u64,
+                            });
+                            out.push(stream_chat(&host, key.as_deref(), &body, Duration::from_secs(600)));
+                        }
+                    })
                 })
                 .collect();
-            next += clients;
+            next += total;
             let results: Vec<Result<Outcome>> = handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked"))))
+                .flat_map(|h| h.join().unwrap_or_else(|_| vec![Err(anyhow::anyhow!("a client panicked"))]))
                 .collect();
             let wall = started.elapsed().as_secs_f64();
             let ok: Vec<&Outcome> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
@@ -280,21 +308,29 @@ pub fn run(args: &[String]) -> Result<()> {
             }
             let tokens: usize = ok.iter().map(|o| o.tokens).sum();
             let mut ttfts: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
+            let mut gaps: Vec<f64> = ok.iter().flat_map(|o| o.gaps.iter().copied()).collect();
             let cached: usize = ok.iter().map(|o| o.cached).sum();
             let row = json!({
                 "clients": clients, "round": round, "completed": ok.len(), "failed": results.len() - ok.len(),
                 "output_tokens": tokens, "seconds": wall, "tok_s": tokens as f64 / wall,
+                "requests_s": ok.len() as f64 / wall,
                 "ttft_p50": percentile(&mut ttfts, 0.5), "ttft_p90": percentile(&mut ttfts, 0.9),
+                "ttft_p99": percentile(&mut ttfts, 0.99),
+                "itl_p50": percentile(&mut gaps, 0.5), "itl_p99": percentile(&mut gaps, 0.99),
                 "cached_tokens": cached,
             });
             if !a.json {
+                let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
                 println!(
-                    "clients {clients:>3}  round {round}  completed {:>3}  failed {}  tokens {tokens:>5}  {:>6.1} tok/s  TTFT p50 {:.2} s  p90 {:.2} s  cached {cached}",
+                    "clients {clients:>3}  round {round}  completed {:>3}  failed {}  tokens {tokens:>5}  {:>6.1} tok/s  {:.2} req/s  TTFT p50 {:.2} s  p99 {:.2} s  ITL p50 {:.0} ms  p99 {:.0} ms  cached {cached}",
                     ok.len(),
                     results.len() - ok.len(),
-                    tokens as f64 / wall,
-                    row["ttft_p50"].as_f64().unwrap_or(f64::NAN),
-                    row["ttft_p90"].as_f64().unwrap_or(f64::NAN),
+                    f("tok_s"),
+                    f("requests_s"),
+                    f("ttft_p50"),
+                    f("ttft_p99"),
+                    1e3 * f("itl_p50"),
+                    1e3 * f("itl_p99"),
                 );
             }
             rows.push(row);

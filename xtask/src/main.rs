@@ -30,7 +30,7 @@ tasks:
   serve-e2e                 `ember serve` on the real model with the official openai Python
                             client and curl (scripts/serve_e2e.py, pinned venv made here)
   load [--url http://HOST:PORT] [--clients 1,4,8] [--max-tokens N] [--system-tokens N]
-       [--temperature T] [--rounds N] [--api-key KEY] [--json]
+       [--temperature T] [--requests N] [--rounds N] [--api-key KEY] [--json]
                             a bounded load test of an OpenAI-compatible server: concurrent
                             streaming chats, aggregate tok/s and time to first token
   readme                    the README's library example in a fresh `cargo new` project
