@@ -11,11 +11,18 @@ Drives the real binary with the official `openai` Python package and `curl`:
 It starts `EMBER serve --model DIR --port P --parallel 4 --api-key sk-test-key
 --max-queue 8` on a free port, waits for `GET /health` to answer 200, runs
 every check (each independent: one failing does not stop the others), prints
-one line per check (`ok    NAME  detail` / `FAIL  NAME  reason`), then starts a
+one line per check (`ok    NAME  detail` / `FAIL  NAME  reason`); the last,
+burst_64, fires 64 requests at once (4 run, 8 wait, the rest must be refused
+within 2 s with 503/429 and Retry-After). Then, one server at a time, a third
+server with `--parallel 16 --ctx 512` for greedy_batched_equals_solo (16 greedy
+streams at once, with logprobs, must equal each prompt's solo run up to the
+solo run's first near-tie, a top-2 logprob margin below 0.02; once right after
+the solo runs, from the prefix cache, and once after a restart, cold), and a
 second server with `--parallel 1 --max-queue 1` (its key from EMBER_API_KEY)
-for the queue-full check, checks neither server's log shows a panic, and
+for the queue-full check. It checks no server's log shows a panic, and
 ends with `serve e2e: N passed, M failed`. Exit status 1 if any check failed.
 Every process it starts is killed on the way out (also on errors and Ctrl-C).
+About two minutes on two cores.
 
 Needs Python 3.11 (stdlib), `openai` (scripts/serve-requirements.txt) and
 `curl` on PATH. `--only a,b` runs some checks; `--list` names them.
@@ -117,14 +124,27 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
         env.update(env_extra or {})
         self.env_extra = env_extra or {}
+        self.env = env
         self.saw_503 = False
         self.killed = False
         self.log = open(self.log_path, "wb")
+        self._spawn()
+        Server.all.append(self)
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
             self.cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
+            env=self.env, start_new_session=True,
         )
-        Server.all.append(self)
+
+    def restart(self) -> None:
+        """Stops the process (it must exit cleanly) and starts it again on the same port, appending to its log."""
+        self.stop()
+        expect(not self.killed and self.proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM),
+               f"the {self.tag} server did not stop cleanly for its restart (status {self.proc.returncode}"
+               f"{', killed' if self.killed else ''})")
+        self.log = open(self.log_path, "ab")
+        self._spawn()
 
     @property
     def base(self) -> str:
@@ -1514,6 +1534,7 @@ def batch_body(c: Ctx, i: int, stream: bool) -> dict:
                       {"role": "user", "content": BATCH_PROMPTS[i]}]}
     if stream:
         b["stream"] = True
+        b["stream_options"] = {"include_usage": True}
     return b
 
 
@@ -1529,26 +1550,28 @@ def top2_margin(e: dict) -> float:
     return tops[0]["logprob"] - tops[1]["logprob"]
 
 
-def chk_greedy_batched(c: Ctx) -> str:
-    """Run on the third server (--parallel 16): 16 greedy streams at once equal each prompt's solo run,
-    up to the solo run's first near-tie (top-2 margin < NEAR_TIE)."""
+@dataclass
+class Round:
+    secs: float = 0.0
+    full: int = 0  # streams equal to the solo run to the end
+    cuts: list = field(default_factory=list)  # (stream, position, margin, whose margin) of those cut at a near-tie
+    compared: int = 0  # tokens compared
+    worst_lp: float = 0.0  # largest |logprob difference| of a compared token
+    cached: int = 0  # prompt tokens the server took from its prefix cache
+    prompt: int = 0
+    probs: list = field(default_factory=list)
+
+    def detail(self) -> str:
+        cut = ", ".join(f"#{i}@{k} ({m:.3f}{'' if who == 'solo' else ' ' + who})" for i, k, m, who in self.cuts)
+        return (f"{self.secs:.1f}s, cached {self.cached}/{self.prompt} prompt tokens: {self.full} equal to the end, "
+                f"{len(self.cuts)} cut at a near-tie{' ' + cut if cut else ''}; {self.compared} tokens compared, "
+                f"max |logprob diff| {self.worst_lp:.1e}")
+
+
+def batched_round(c: Ctx, solo: list, label: str) -> Round:
+    """All prompts at once, streamed; each compared with its solo run."""
     n = len(BATCH_PROMPTS)
-    t_check = time.monotonic()
-    # Solo, one at a time.
-    solo = []
-    for i in range(n):
-        expect(time.monotonic() - t_check < 70, f"solo runs too slow: {i} of {n} done after 70s")
-        r = timed_post(c.port, "/v1/chat/completions", batch_body(c, i, False))
-        j = json.loads(r.body) if r.status == 200 else None
-        expect(r.status == 200 and isinstance(j, dict) and j.get("choices"),
-               f"solo #{i}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'))}")
-        ch = j["choices"][0]
-        lp = (ch.get("logprobs") or {}).get("content")
-        expect(isinstance(lp, list) and len(lp) == j["usage"]["completion_tokens"],
-               f"solo #{i}: logprobs.content {short(lp)} for {j['usage']['completion_tokens']} completion tokens")
-        solo.append((lp, ch.get("finish_reason"), ch["message"].get("content") or "", j["usage"]["prompt_tokens"]))
-    t_solo = time.monotonic() - t_check
-    # All at once, streamed.
+    rd = Round()
     out: list = [None] * n
     barrier = threading.Barrier(n)
 
@@ -1564,26 +1587,30 @@ def chk_greedy_batched(c: Ctx) -> str:
     for t in ths:
         t.start()
     for t in ths:
-        t.join(timeout=max(1.0, 75 - (time.monotonic() - t1)))
-    t_batch = time.monotonic() - t1
-    probs, full, cuts, worst_lp, compared = [], 0, [], 0.0, 0
+        t.join(timeout=max(1.0, 70 - (time.monotonic() - t1)))
+    rd.secs = time.monotonic() - t1
     for i, r in enumerate(out):
+        where = f"{label} #{i}"
         if r is None:
-            probs.append(f"#{i}: did not finish")
+            rd.probs.append(f"{where}: did not finish")
             continue
         if isinstance(r, BaseException):
-            probs.append(f"#{i}: {type(r).__name__}: {r}")
+            rd.probs.append(f"{where}: {type(r).__name__}: {r}")
             continue
         if r.status != 200:
-            probs.append(f"#{i}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'), 150)}")
+            rd.probs.append(f"{where}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'), 150)}")
             continue
         try:
-            err, chs = chat_stream_problem(sse_split(r.body))
+            events = sse_split(r.body)
+            err, chs = chat_stream_problem(events)
         except (Fail, UnicodeDecodeError) as e:
             err, chs = str(e), []
         if err:
-            probs.append(f"#{i}: {err}")
+            rd.probs.append(f"{where}: {err}")
             continue
+        usage = json.loads(events[-2]).get("usage") or {}
+        rd.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        rd.prompt += usage.get("prompt_tokens") or 0
         bat, missing = [], 0
         for x in chs:
             lpc = (x.get("logprobs") or {}).get("content")
@@ -1592,52 +1619,80 @@ def chk_greedy_batched(c: Ctx) -> str:
             elif (x.get("delta") or {}).get("content"):
                 missing += 1
         if missing:
-            probs.append(f"#{i}: {missing} chunks with content but no logprobs.content")
+            rd.probs.append(f"{where}: {missing} chunks with content but no logprobs.content")
             continue
         bfin = chs[-1].get("finish_reason")
         btext = "".join((x.get("delta") or {}).get("content") or "" for x in chs)
         slp, sfin, stext, _ = solo[i]
         cut, diff = None, None
+
+        def tops(e):
+            return [(t["token"], round(t["logprob"], 4)) for t in e["top_logprobs"]]
+
         try:
             for k in range(max(len(slp), len(bat))):
                 if k < len(slp):
                     m, who = top2_margin(slp[k]), "solo"
                 else:  # the solo run stopped here (its end-of-text choice has no entry): the batched run's margin
-                    m, who = top2_margin(bat[k]), "batched (solo ended)"
+                    m, who = top2_margin(bat[k]), "batched, solo ended"
                 if m < NEAR_TIE:
-                    cut = (k, m, who)
+                    cut = (i, k, m, who)
                     break
                 a = tok_key(slp[k]) if k < len(slp) else None
                 b = tok_key(bat[k]) if k < len(bat) else None
                 if a != b:
-                    diff = (f"#{i} {BATCH_PROMPTS[i][:30]!r}: token {k} differs with solo margin {m:.3f} >= {NEAR_TIE}: "
-                            f"solo {slp[k]['token'] if k < len(slp) else '<end, ' + str(sfin) + '>'!r} "
-                            f"(tops {[(t['token'], round(t['logprob'], 4)) for t in slp[k]['top_logprobs']] if k < len(slp) else '-'}), "
-                            f"batched {bat[k]['token'] if k < len(bat) else '<end, ' + str(bfin) + '>'!r} "
-                            f"(tops {[(t['token'], round(t['logprob'], 4)) for t in bat[k]['top_logprobs']] if k < len(bat) else '-'}); "
+                    sdesc = f"{slp[k]['token']!r} tops {tops(slp[k])}" if k < len(slp) else f"<end, {sfin}>"
+                    bdesc = f"{bat[k]['token']!r} tops {tops(bat[k])}" if k < len(bat) else f"<end, {bfin}>"
+                    diff = (f"{where} {BATCH_PROMPTS[i][:32]!r}: token {k} differs although the {who} top-2 margin "
+                            f"is {m:.3f} >= {NEAR_TIE}: solo {sdesc}, batched {bdesc}; "
                             f"solo text {stext!r}, batched text {btext!r}")
                     break
-                worst_lp = max(worst_lp, abs(slp[k]["logprob"] - bat[k]["logprob"]))
-                compared += 1
+                rd.worst_lp = max(rd.worst_lp, abs(slp[k]["logprob"] - bat[k]["logprob"]))
+                rd.compared += 1
         except (Fail, KeyError, TypeError) as e:
-            probs.append(f"#{i}: malformed logprobs entry ({type(e).__name__}: {e})")
+            rd.probs.append(f"{where}: malformed logprobs entry ({type(e).__name__}: {e})")
             continue
         if diff:
-            probs.append(diff)
-            continue
-        if cut is None:
-            if bfin != sfin or btext != stext:
-                probs.append(f"#{i}: same tokens but finish {bfin!r}/{sfin!r} or text {btext!r}/{stext!r} differ")
-                continue
-            full += 1
+            rd.probs.append(diff)
+        elif cut is not None:
+            rd.cuts.append(cut)
+        elif bfin != sfin:
+            rd.probs.append(f"{where}: same tokens, but finish_reason {bfin!r}, solo {sfin!r}")
+        elif btext != stext:
+            rd.probs.append(f"{where}: same tokens, but the streamed text {btext!r} != solo content {stext!r}")
         else:
-            cuts.append(cut)
-    expect(not probs, "; ".join(probs))
+            rd.full += 1
+    return rd
+
+
+def chk_greedy_batched(c: Ctx) -> str:
+    """Run on the third server (--parallel 16): 16 greedy streams at once equal each prompt's solo run,
+    up to the solo run's first near-tie (top-2 margin < NEAR_TIE). Two rounds: right after the solo runs
+    (the prompts come from the prefix cache: batched decoding only) and after a restart (cold cache:
+    batched prefill too)."""
+    n = len(BATCH_PROMPTS)
+    t_check = time.monotonic()
+    solo = []
+    for i in range(n):
+        expect(time.monotonic() - t_check < 60, f"solo runs too slow: {i} of {n} done after 60s")
+        r = timed_post(c.port, "/v1/chat/completions", batch_body(c, i, False))
+        j = json.loads(r.body) if r.status == 200 else None
+        expect(r.status == 200 and isinstance(j, dict) and j.get("choices"),
+               f"solo #{i}: HTTP {r.status} {short(r.body.decode('utf-8', 'replace'))}")
+        ch = j["choices"][0]
+        lp = (ch.get("logprobs") or {}).get("content")
+        expect(isinstance(lp, list) and len(lp) == j["usage"]["completion_tokens"],
+               f"solo #{i}: logprobs.content {short(lp)} for {j['usage']['completion_tokens']} completion tokens")
+        solo.append((lp, ch.get("finish_reason"), ch["message"].get("content") or "", j["usage"]["prompt_tokens"]))
+    t_solo = time.monotonic() - t_check
+    warm = batched_round(c, solo, "warm")
+    c.server.restart()
+    t_up = c.server.wait_ready(30)
+    cold = batched_round(c, solo, "cold")
+    expect(not warm.probs and not cold.probs, "; ".join(warm.probs + cold.probs))
     ptoks = [s[3] for s in solo]
-    cut_desc = ", ".join(f"@{k} ({m:.3f}{'' if who == 'solo' else ' ' + who})" for k, m, who in cuts)
-    return (f"{n} prompts ({min(ptoks)}-{max(ptoks)} tokens): solo {t_solo:.1f}s, {n} streams at once {t_batch:.1f}s; "
-            f"{full} equal to the end, {len(cuts)} cut at a near-tie{' ' + cut_desc if cuts else ''}; "
-            f"{compared} tokens compared, max |logprob diff| {worst_lp:.2e}")
+    return (f"{n} prompts ({min(ptoks)}-{max(ptoks)} tokens), {BATCH_MAX_TOKENS} tokens each: solo {t_solo:.1f}s; "
+            f"{n} at once after them: {warm.detail()}; after a restart ({t_up:.1f}s): {cold.detail()}")
 
 
 BURST_N = 64
