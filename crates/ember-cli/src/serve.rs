@@ -33,8 +33,8 @@ pub struct Args {
     #[arg(long, env = "EMBER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
 
-    /// Requests that may wait for a slot; more are refused with 503 and
-    /// Retry-After.
+    /// Requests that may wait for a slot (beyond those a free slot takes at
+    /// once); more are refused with 503 and Retry-After.
     #[arg(long, default_value_t = 64, env = "EMBER_MAX_QUEUE")]
     max_queue: usize,
 

@@ -99,6 +99,9 @@ pub struct Engine {
     jobs: mpsc::Sender<Job>,
     /// Jobs submitted and not yet admitted.
     queued: Arc<AtomicUsize>,
+    /// Sequences running (as of the scheduler's last pass).
+    running: Arc<AtomicUsize>,
+    parallel: usize,
 }
 
 impl Engine {
@@ -106,13 +109,14 @@ impl Engine {
     pub fn start(model: Arc<Model>, limits: Limits, metrics: Arc<Metrics>) -> Engine {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
-        let q = Arc::clone(&queued);
+        let running = Arc::new(AtomicUsize::new(0));
+        let (q, r) = (Arc::clone(&queued), Arc::clone(&running));
         metrics.kv_tokens_budget.set(limits.kv_budget as i64);
         std::thread::Builder::new()
             .name("ember-scheduler".into())
-            .spawn(move || Scheduler::new(model, limits, metrics, q).run(rx))
+            .spawn(move || Scheduler::new(model, limits, metrics, q, r).run(rx))
             .expect("spawning the scheduler thread");
-        Engine { jobs: tx, queued }
+        Engine { jobs: tx, queued, running, parallel: limits.parallel }
     }
 
     /// Jobs waiting for a slot.
@@ -120,12 +124,14 @@ impl Engine {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// Queues a job unless `max_queue` jobs already wait; gives it back if
-    /// the queue is full (or the scheduler has stopped).
+    /// Queues a job unless `max_queue` jobs already wait for a slot (jobs
+    /// that a free slot will take at the next pass do not count); gives it
+    /// back if the queue is full (or the scheduler has stopped).
     #[allow(clippy::result_large_err)] // the refused job goes back whole
     pub fn submit(&self, job: Job, max_queue: usize) -> Result<(), Job> {
         let prev = self.queued.fetch_add(1, Ordering::SeqCst);
-        if prev >= max_queue {
+        let free = self.parallel.saturating_sub(self.running.load(Ordering::SeqCst));
+        if prev >= max_queue + free {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(job);
         }
@@ -163,6 +169,7 @@ struct Scheduler {
     limits: Limits,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
+    running_count: Arc<AtomicUsize>,
     waiting: VecDeque<Job>,
     running: Vec<Running>,
     kept: Vec<Kept>,
@@ -173,12 +180,19 @@ struct Scheduler {
 }
 
 impl Scheduler {
-    fn new(model: Arc<Model>, limits: Limits, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>) -> Scheduler {
+    fn new(
+        model: Arc<Model>,
+        limits: Limits,
+        metrics: Arc<Metrics>,
+        queued: Arc<AtomicUsize>,
+        running_count: Arc<AtomicUsize>,
+    ) -> Scheduler {
         Scheduler {
             model,
             limits,
             metrics,
             queued,
+            running_count,
             waiting: VecDeque::new(),
             running: Vec::new(),
             kept: Vec::new(),
@@ -409,6 +423,7 @@ impl Scheduler {
     }
 
     fn publish(&self) {
+        self.running_count.store(self.running.len(), Ordering::SeqCst);
         let m = &self.metrics;
         m.running.set(self.running.len() as i64);
         m.queued.set(self.queued.load(Ordering::SeqCst) as i64);
