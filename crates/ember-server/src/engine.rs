@@ -241,9 +241,10 @@ impl Scheduler {
                 continue;
             }
             let need = self.need(job);
-            // The kept context it would start from is not evicted for it.
-            let source = self.best_prefix(&job.prompt);
             while self.used + need > self.limits.kv_budget {
+                // The kept context it would start from is not evicted for it
+                // (looked up again: an eviction moves the last entry).
+                let source = self.best_prefix(&self.waiting[0].prompt);
                 if !self.evict_one(source.map(|(i, _)| i)) {
                     break;
                 }

@@ -1,0 +1,70 @@
+//! The scheduler without HTTP: jobs in, events out. Under a KV budget that
+//! holds only a few sequences, every job completes, kept prefixes are evicted
+//! to make room (never beyond the budget), and a prompt that shares a kept
+//! prefix reuses it.
+
+use ember_model::{GenerateOptions, Model, SamplerConfig};
+use ember_server::engine::{Engine, Event, Job, Limits};
+use ember_server::metrics::Metrics;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn tiny() -> Arc<Model> {
+    Model::builder(concat!(env!("CARGO_MANIFEST_DIR"), "/../ember-model/testdata/tiny-chat")).threads(1).load().unwrap()
+}
+
+/// Runs a job to its end: (tokens, cached prompt tokens).
+fn run(engine: &Engine, model: &Model, text: &str, max_tokens: usize) -> (Vec<u32>, usize) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let options =
+        GenerateOptions { max_tokens, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let job = Job { id: "t".into(), prompt: model.encode(text).unwrap(), options, events: tx, arrived: Instant::now() };
+    assert!(engine.submit(job, 16).is_ok());
+    let mut ids = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("the scheduler answers") {
+            Event::Token(t) => ids.push(t.id),
+            Event::Done(f) => {
+                assert!(f.error.is_none(), "{f:?}");
+                assert_eq!(f.completion_tokens, ids.len());
+                return (ids, f.cached_tokens);
+            }
+        }
+    }
+}
+
+fn gauge(metrics: &Metrics, name: &str) -> i64 {
+    let text = metrics.encode();
+    let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} in {text}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_small_budget_evicts_kept_prefixes_and_reuse_gives_the_same_tokens() {
+    let model = tiny();
+    let metrics = Arc::new(Metrics::new());
+    let limits = Limits { parallel: 2, context: 64, kv_budget: 128, prefill_chunk: 8 };
+    let engine = Engine::start(Arc::clone(&model), limits, Arc::clone(&metrics));
+    let prompts = ["the sun is", "once upon a time there", "hello ! how are you", "what is the capital of france ?"];
+    let mut first = Vec::new();
+    for p in prompts {
+        let (ids, cached) = run(&engine, &model, p, 30);
+        assert_eq!(ids.len(), 30);
+        assert_eq!(cached, 0, "no earlier prompt shares a prefix with {p:?}");
+        first.push(ids);
+        assert!(gauge(&metrics, "ember_kv_tokens_used") <= 128);
+    }
+    // Four sequences of about 35 positions each do not all fit in 128:
+    // some were evicted.
+    assert!(gauge(&metrics, "ember_kept_sequences") < 4);
+    // The latest is still kept: the same prompt again reuses it and gives
+    // the same tokens.
+    let (again, cached) = run(&engine, &model, prompts[3], 30);
+    assert!(cached > 0);
+    assert_eq!(again, first[3]);
+    // A longer prompt that starts with a kept one's whole context takes it over.
+    let long = format!("{} and", prompts[3]);
+    let (_, cached) = run(&engine, &model, &long, 4);
+    assert!(cached >= model.encode(prompts[3]).unwrap().len() - 1);
+    assert!(gauge(&metrics, "ember_kv_tokens_used") <= 128);
+}
