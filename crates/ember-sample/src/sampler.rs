@@ -150,38 +150,14 @@ impl Sampler {
     fn filter(&mut self, logits: &[f32]) -> bool {
         let cfg = &self.cfg;
         let cands = &mut self.cands;
-
-        // Gather every usable logit. NaN and -inf have zero probability.
-        cands.clear();
-        let mut has_pos_inf = false;
-        for (id, &l) in logits.iter().enumerate() {
-            if l.is_nan() || l == f32::NEG_INFINITY {
-                continue;
-            }
-            has_pos_inf |= l == f32::INFINITY;
-            cands.push((id as u32, l + 0.0)); // + 0.0 maps -0.0 to +0.0
+        // Top-k in one pass when it applies: the k best usable logits,
+        // best first. Otherwise (no top-k, or a +inf logit) gather all.
+        let k = cfg.top_k;
+        if !(k > 0 && top_k_of(logits, k, cands)) {
+            gather_top_k_by_selection(logits, k, cands);
         }
         if cands.is_empty() {
             return false;
-        }
-        if has_pos_inf {
-            // +inf dominates everything: the +inf tokens share the mass
-            // equally. Make them finite and equal so the maths below works.
-            cands.retain(|c| c.1 == f32::INFINITY);
-            cands.iter_mut().for_each(|c| c.1 = 0.0);
-        }
-
-        // Temperature is conceptually first (HF order). Dividing by T > 0
-        // keeps the order of the logits, so top-k can run on the raw logits;
-        // T is folded into the softmax weights right after, before top-p and
-        // min-p, which do depend on it.
-
-        // Top-k: partial selection puts the k best (by value desc, id asc) in
-        // cands[..k], in O(n) rather than a full sort.
-        let k = cfg.top_k;
-        if k > 0 && k < cands.len() {
-            cands.select_nth_unstable_by(k - 1, by_value_desc);
-            cands.truncate(k);
         }
 
         // Temperature + softmax numerator: w = exp((l - l_max) / T), in (0, 1].
@@ -209,6 +185,71 @@ impl Sampler {
         }
         true
     }
+}
+
+/// The general gathering: every usable logit (NaN and -inf have zero
+/// probability; if some are +inf, those alone, made finite and equal), then
+/// with `k > 0` the k best (by value desc, id asc) by partial selection, in
+/// O(n). The reference twin of [`top_k_of`].
+fn gather_top_k_by_selection(logits: &[f32], k: usize, cands: &mut Vec<Cand>) {
+    cands.clear();
+    let mut has_pos_inf = false;
+    for (id, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::NEG_INFINITY {
+            continue;
+        }
+        has_pos_inf |= l == f32::INFINITY;
+        cands.push((id as u32, l + 0.0)); // + 0.0 maps -0.0 to +0.0
+    }
+    if has_pos_inf {
+        // +inf dominates everything: the +inf tokens share the mass
+        // equally. Make them finite and equal so the maths below works.
+        cands.retain(|c| c.1 == f32::INFINITY);
+        cands.iter_mut().for_each(|c| c.1 = 0.0);
+    }
+    // Temperature is conceptually first (HF order). Dividing by T > 0 keeps
+    // the order of the logits, so top-k can run on the raw logits; T is
+    // folded into the softmax weights after, before top-p and min-p, which
+    // do depend on it.
+    if k > 0 && k < cands.len() {
+        cands.select_nth_unstable_by(k - 1, by_value_desc);
+        cands.truncate(k);
+    }
+}
+
+/// Top-k in one pass over the logits: the `k` best usable ones (by value
+/// desc, id asc), sorted best first, into `out`. A logit enters only if it
+/// beats the worst of those kept so far, which after the first few
+/// thousand is rare, so the pass is one comparison per logit instead of
+/// gathering all 151,936 candidates and selecting among them (about 1 ms a
+/// token, per sequence). Returns false, leaving `out` unspecified, when a
+/// logit is +inf: [`gather_top_k_by_selection`] handles that case.
+fn top_k_of(logits: &[f32], k: usize, out: &mut Vec<Cand>) -> bool {
+    out.clear();
+    let worst_of = |out: &[Cand]| (0..out.len()).max_by(|&a, &b| by_value_desc(&out[a], &out[b])).unwrap_or(0);
+    let mut worst = 0;
+    for (id, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::NEG_INFINITY {
+            continue;
+        }
+        if l == f32::INFINITY {
+            return false;
+        }
+        let l = l + 0.0; // -0.0 as +0.0
+        if out.len() < k {
+            out.push((id as u32, l));
+            if out.len() == k {
+                worst = worst_of(out);
+            }
+        } else if l > out[worst].1 {
+            // Strictly better: an equal logit has a larger id (ids come in
+            // order), which loses the tie.
+            out[worst] = (id as u32, l);
+            worst = worst_of(out);
+        }
+    }
+    out.sort_unstable_by(by_value_desc);
+    true
 }
 
 /// Sorts `cands` by descending weight (at least a prefix of it) and returns
@@ -265,6 +306,43 @@ fn draw(cands: &[Cand], u: f64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one-pass top-k keeps the same candidates as gathering all and
+    /// selecting, ties (by lower id), NaN, -inf and -0.0 included; it
+    /// declines +inf, which the general path handles.
+    #[test]
+    fn one_pass_top_k_matches_selection() {
+        let mut state = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for round in 0..400 {
+            let n = 1 + (next() % 300) as usize;
+            // Few distinct values, so ties are common.
+            let levels = 1 + (next() % 12);
+            let logits: Vec<f32> = (0..n)
+                .map(|_| match next() % 20 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => -0.0,
+                    _ => (next() % levels) as f32 * 0.5 - 2.0,
+                })
+                .collect();
+            for k in [1, 2, 3, 7, 20, n.saturating_sub(1).max(1), n, n + 5] {
+                let (mut fast, mut reference) = (Vec::new(), Vec::new());
+                assert!(top_k_of(&logits, k, &mut fast));
+                gather_top_k_by_selection(&logits, k, &mut reference);
+                reference.sort_by(by_value_desc);
+                let bits = |v: &[Cand]| v.iter().map(|c| (c.0, c.1.to_bits())).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&reference), "round {round}, k {k}, logits {logits:?}");
+            }
+        }
+        let mut out = Vec::new();
+        assert!(!top_k_of(&[0.0, f32::INFINITY, 1.0], 2, &mut out));
+    }
 
     #[test]
     fn greedy_never_touches_the_rng() {
