@@ -95,7 +95,8 @@ pub enum Error {
     },
 
     /// A path given as a model is neither a folder nor a `.gguf` file, or a
-    /// folder holds several `.gguf` files and no `config.json`.
+    /// folder holds several `.gguf` files and no `config.json`; or an output
+    /// path that would overwrite the model.
     #[error("{}: {message}", path.display())]
     ModelPath {
         /// The path.

@@ -26,8 +26,70 @@ const COPIED: [&str; 7] = [
 
 /// Writes `model` (quantized in memory) to `out`: every tensor of `store` (the
 /// folder it was loaded from), the quantized ones replaced by their blocks.
+///
+/// The source is never written: everything goes into a new folder beside
+/// `out` (so files of `out` that are links to the source's, hard or
+/// symbolic, are never written through), which replaces `out` only when
+/// complete; on any error it is removed and `out` is as it was. An `out`
+/// that is the source folder, or contains it, is refused. Nothing of an
+/// earlier `out` (such as a stale `model.safetensors.index.json`) remains.
 pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let refuse = |message: String| Error::ModelPath { path: out.to_path_buf(), message };
+    let src_real = std::fs::canonicalize(src).map_err(|e| Error::io(src, e))?;
+    if let Ok(out_real) = std::fs::canonicalize(out) {
+        if src_real.starts_with(&out_real) {
+            return Err(refuse(format!(
+                "the output folder is (or contains) the model folder {}; choose another",
+                src.display()
+            )));
+        }
+        if !out_real.is_dir() {
+            return Err(refuse("exists and is not a folder".into()));
+        }
+    }
+    let name = out.file_name().ok_or_else(|| refuse("needs a folder name".into()))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
+    let tmp = parent.join(format!(".{}.partial-{}", name.to_string_lossy(), std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let written = write_files(src, store, model, &tmp).and_then(|()| replace_dir(&tmp, out));
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written
+}
+
+/// Puts the complete folder `new` in place of `out` (which may not exist):
+/// the old one moves aside, the new one takes its name, the old one is
+/// removed (its links go, never what they point to).
+fn replace_dir(new: &Path, out: &Path) -> Result<()> {
+    let exists = std::fs::symlink_metadata(out).is_ok();
+    if !exists {
+        return std::fs::rename(new, out).map_err(|e| Error::io(out, e));
+    }
+    let aside = new.with_extension("old");
+    let _ = std::fs::remove_dir_all(&aside);
+    std::fs::rename(out, &aside).map_err(|e| Error::io(out, e))?;
+    if let Err(e) = std::fs::rename(new, out) {
+        // Put the old folder back.
+        let _ = std::fs::rename(&aside, out);
+        return Err(Error::io(out, e));
+    }
+    // A symlink to a folder is removed as a link; a folder's entries are
+    // unlinked, not followed.
+    let gone = match std::fs::symlink_metadata(&aside) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::remove_file(&aside),
+        _ => std::fs::remove_dir_all(&aside),
+    };
+    gone.map_err(|e| Error::io(&aside, e))
+}
+
+/// The weights and the small files, into the empty folder `out`.
+fn write_files(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Result<()> {
     let mut quantized = held_tensors(model);
     quantized.retain(|_, t| t.dtype.is_quantized());
     let originals = stored_tensors(store)?;
@@ -56,6 +118,8 @@ pub fn write_folder(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) 
     for f in COPIED {
         let from = src.join(f);
         if from.is_file() {
+            // Read and written anew (`fs::copy` too writes a new file here:
+            // the folder is new, so no name in it is a link).
             std::fs::copy(&from, out.join(f)).map_err(|e| Error::io(&from, e))?;
         }
     }

@@ -238,3 +238,67 @@ fn evaluation_against_itself_and_a_quantized_copy() {
     let tbt = eval::evaluate_with(&base, Some(&base), &tokens, 16, eval::Mode::TokenByToken, |_, _| {}).unwrap();
     assert!((tbt.ppl - own.ppl).abs() < 1e-4 * own.ppl && tbt.kld_mean < 1e-9 && tbt.top1 == 1.0);
 }
+
+/// Snapshot of every file of a folder: name → bytes.
+fn snapshot(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().to_string(), std::fs::read(&p).unwrap()))
+        .collect()
+}
+
+/// `write_folder` never writes through links into the source, leaves nothing
+/// of an earlier output behind, and refuses an output that is or contains
+/// the source; the source is byte-identical afterwards in every case.
+#[test]
+fn writing_a_quantized_folder_never_touches_the_source() {
+    let work = Scratch::new("quantize-links");
+    let src = work.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for e in std::fs::read_dir(fixtures().join("tiny-tied")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, src.join(p.file_name().unwrap())).unwrap();
+    }
+    let before = snapshot(&src);
+    let mut m = load_qwen2(&src).unwrap();
+    m.quantize(&WeightType::Int8.into());
+    let store = TensorStore::open_dir(&src).unwrap();
+    let write = |out: &std::path::Path| ember_model::advanced::quantize::write_folder(&src, &store, &m, out);
+
+    // An output folder whose files are hard links (`cp -al`) or symbolic
+    // links to the source's, plus a stale index from an earlier run.
+    for kind in ["hard", "symbolic"] {
+        let out = work.path().join(format!("out-{kind}"));
+        std::fs::create_dir(&out).unwrap();
+        for name in before.keys() {
+            let (from, to) = (src.join(name), out.join(name));
+            match kind {
+                "hard" => std::fs::hard_link(&from, &to).unwrap(),
+                _ => std::os::unix::fs::symlink(&from, &to).unwrap(),
+            }
+        }
+        std::fs::write(out.join("model.safetensors.index.json"), "{\"weight_map\": {}}").unwrap();
+        write(&out).unwrap();
+        assert_eq!(snapshot(&src), before, "{kind} links: the source changed");
+        let written = snapshot(&out);
+        assert_eq!(written["config.json"], before["config.json"]);
+        assert!(!written.contains_key("model.safetensors.index.json"), "a stale index remains");
+        assert_eq!(load_qwen2(&out).unwrap().layers[0].mlp.up_proj.weight.dtype, WeightType::Int8);
+        let leftovers: Vec<_> = std::fs::read_dir(work.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(leftovers.is_empty(), "temporaries left: {leftovers:?}");
+    }
+    // The source itself, a link to it, and a folder containing it.
+    let link = work.path().join("link-to-src");
+    std::os::unix::fs::symlink(&src, &link).unwrap();
+    for out in [src.clone(), link, work.path().to_path_buf(), src.join("..")] {
+        let e = write(&out).unwrap_err().to_string();
+        assert!(e.contains("model folder"), "{}: {e}", out.display());
+        assert_eq!(snapshot(&src), before, "{}: the source changed", out.display());
+    }
+}
