@@ -104,8 +104,23 @@ pub(crate) fn model_dir(arg: Option<PathBuf>) -> Result<PathBuf> {
 /// Starts the kernels' thread pool with `threads` (default: the library's,
 /// the physical cores), for the commands that load the decoder alone.
 pub(crate) fn init_threads(threads: Option<usize>) -> Result<usize> {
-    if threads == Some(0) {
-        bail!("--threads must be at least 1");
+    Ok(ember_model::advanced::init_threads(cap_threads(threads)?)?)
+}
+
+/// `--threads` as the library takes it: at least 1, and at most the
+/// hardware threads this process may run on (more only slow the kernels
+/// down, and beyond a limit cannot even be started), with a warning when
+/// capped.
+pub(crate) fn cap_threads(threads: Option<usize>) -> Result<Option<usize>> {
+    match threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => {
+            let hw = std::thread::available_parallelism().map_or(1, |h| h.get());
+            if n > hw {
+                eprintln!("warning: --threads {n} is more than the {hw} hardware threads this machine gives ember; using {hw}");
+            }
+            Ok(Some(n.min(hw)))
+        }
+        None => Ok(None),
     }
-    Ok(ember_model::advanced::init_threads(threads)?)
 }

@@ -77,16 +77,14 @@ impl RuntimeArgs {
         if self.prefill_chunk == 0 {
             bail!("--prefill-chunk must be at least 1");
         }
-        if self.threads == Some(0) {
-            bail!("--threads must be at least 1");
-        }
+
         if self.ctx == 0 {
             bail!("--ctx must be at least 1");
         }
         let dir = model_dir(self.model.clone())?;
         let mut builder =
             Model::builder(&dir).context(self.ctx).prefill_chunk(self.prefill_chunk).precision(self.precision);
-        if let Some(t) = self.threads {
+        if let Some(t) = crate::cap_threads(self.threads)? {
             builder = builder.threads(t);
         }
         if let Some(q) = self.quant {

@@ -129,6 +129,18 @@ fn invalid_sampling_settings() {
 }
 
 #[test]
+fn more_threads_than_the_machine_are_capped_with_a_warning() {
+    let model = tiny_model();
+    for t in ["1000", "100000", "18446744073709551615"] {
+        let out = ember(&["--model", model.to_str().unwrap(), "--prompt", "w1", "--max-tokens", "2", "--threads", t]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--threads {t}: {err}");
+        assert!(err.contains("warning: --threads") && err.contains("hardware threads"), "--threads {t}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
 fn corrupt_weights() {
     let model = tiny_model();
     let broken = model.with_file_name(format!("ember-cli-broken-{}", std::process::id()));

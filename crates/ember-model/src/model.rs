@@ -380,11 +380,17 @@ impl Source {
 
 /// Sizes the process-wide worker pool the kernels run on, once: `threads`,
 /// or by default the physical CPU cores ([`physical_cores`]). Returns the
-/// pool's size. Asking for another size than a running pool's is
-/// [`Error::Threads`]; with `None`, a running pool is kept as it is.
+/// pool's size. More threads than the hardware threads the process may run
+/// on is [`Error::Option`]; asking for another size than a running pool's
+/// is [`Error::Threads`]; with `None`, a running pool is kept as it is.
 pub fn init_threads(threads: Option<usize>) -> Result<usize> {
     match threads {
         Some(0) => Err(Error::Option("the worker pool needs at least 1 thread".into())),
+        Some(n) if n > hardware_threads() => Err(Error::Option(format!(
+            "{n} worker threads asked for, but this process may run on {} hardware threads: more only slow the \
+             kernels down",
+            hardware_threads()
+        ))),
         Some(n) if !pool::init_global(n) => Err(Error::Threads { requested: n, running: pool::global().threads() }),
         Some(n) => Ok(n),
         None => {
@@ -392,6 +398,11 @@ pub fn init_threads(threads: Option<usize>) -> Result<usize> {
             Ok(pool::global().threads())
         }
     }
+}
+
+/// Hardware threads this process may run on.
+fn hardware_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Physical cores this process may use: hyper-threads share a core's memory
