@@ -32,7 +32,9 @@ use std::process::ExitCode;
     version,
     about = "Run a Qwen2 language model on the CPU.",
     args_conflicts_with_subcommands = true,
-    subcommand_negates_reqs = true
+    subcommand_negates_reqs = true,
+    // `--temperature -1` is a value out of range, not an unknown flag `-1`.
+    allow_negative_numbers = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -44,16 +46,21 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Chat with the model: each line you type is a turn; the conversation is kept.
+    #[command(allow_negative_numbers = true)]
     Chat(chat::Args),
     /// Measure prompt processing and generation speed (like llama-bench).
+    #[command(allow_negative_numbers = true)]
     Bench(bench::Args),
     /// Perplexity, KL divergence and top-1 agreement of a quantized model
     /// against its stored weights, on a text corpus (like llama-perplexity).
+    #[command(allow_negative_numbers = true)]
     Eval(eval::Args),
     /// Write a quantized copy of a model folder (loads instantly).
+    #[command(allow_negative_numbers = true)]
     Quantize(quantize::Args),
     /// Serve the model over HTTP with OpenAI's API (chat and text
     /// completions, streaming, tools), many users at once.
+    #[command(allow_negative_numbers = true)]
     Serve(serve::Args),
 }
 
@@ -70,10 +77,28 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}{}", hint(&e));
+            eprintln!("error: {}{}", message(&e), hint(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, `: `-separated, each cause left out when the
+/// message before it already says it (library errors embed their source's
+/// text, so `{:#}` printed it twice).
+fn message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 /// What the user can do about a library error, in terms of this CLI's

@@ -129,6 +129,28 @@ fn invalid_sampling_settings() {
 }
 
 #[test]
+fn negative_numbers_are_values_out_of_range() {
+    let model = tiny_model();
+    for (flag, value, names) in
+        [("--temperature", "-1", "temperature"), ("--top-k", "-3", "top-k"), ("--seed", "-1", "seed")]
+    {
+        let out = ember(&["--model", model.to_str().unwrap(), "--prompt", "w1", flag, value]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}: {err}");
+        assert!(!err.contains("unexpected argument"), "{flag} {value}: {err}");
+        assert!(err.contains(names) && err.contains(value), "{flag} {value}: {err}");
+        // Each cause once.
+        let first = err.lines().next().unwrap_or("");
+        let words: Vec<&str> = first.split(": ").collect();
+        let mut seen = std::collections::HashSet::new();
+        assert!(words.iter().all(|w| seen.insert(*w)), "a cause printed twice: {first}");
+        let out = ember(&["chat", "--model", model.to_str().unwrap(), flag, value]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("unexpected argument"), "chat {flag} {value}: {err}");
+    }
+}
+
+#[test]
 fn more_threads_than_the_machine_are_capped_with_a_warning() {
     let model = tiny_model();
     for t in ["1000", "100000", "18446744073709551615"] {
