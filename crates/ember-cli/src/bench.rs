@@ -117,6 +117,23 @@ pub fn run(args: Args) -> Result<()> {
     }
     model.precision = args.precision;
     let bytes_per_token = model.weight_bytes_per_token();
+    // Every length within the model's positions, before anything is sized
+    // from it.
+    let positions = model.config.max_position_embeddings;
+    let too_long = |flag: &str, n: usize| {
+        anyhow::anyhow!("{flag} {n} is more than the model's {positions} positions; lower {flag}")
+    };
+    if let Some(&p) = args.prompt.iter().find(|&&p| p > positions) {
+        return Err(too_long("-p", p));
+    }
+    if let Some(&n) = args.generate.iter().find(|&&n| n > positions) {
+        return Err(too_long("-n", n));
+    }
+    if !args.sequences.is_empty() {
+        if let Some(&n) = args.generate.iter().find(|&&n| args.sequence_prompt.saturating_add(n) > positions) {
+            return Err(too_long("--sequence-prompt + -n", args.sequence_prompt.saturating_add(n)));
+        }
+    }
 
     // Warm-up: fault the mapped weights in and wake the pool.
     bench::generation(&model, 2)?;

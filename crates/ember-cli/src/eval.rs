@@ -97,6 +97,10 @@ pub fn run(args: Args) -> Result<()> {
     // The reference: the stored weights, or the same weights as the
     // evaluated model; always at exact precision.
     let base = load(if against_exact { args.quant } else { None }, Precision::Exact)?;
+    let positions = base.config.max_position_embeddings;
+    if args.ctx > positions {
+        bail!("--ctx {} is more than the model's {positions} positions; lower --ctx", args.ctx);
+    }
     let variant = if args.quant.is_some() || against_exact || args.precision != Precision::Exact {
         Some(load(args.quant, args.precision)?)
     } else {

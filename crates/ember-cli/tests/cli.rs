@@ -151,6 +151,31 @@ fn negative_numbers_are_values_out_of_range() {
 }
 
 #[test]
+fn lengths_beyond_the_models_positions_are_refused_before_allocating() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let corpus = model.with_file_name(format!("ember-cli-corpus-{}.txt", std::process::id()));
+    // More tokens than the tiny model's 256 positions: the corpus is not
+    // what stops a long --ctx.
+    std::fs::write(&corpus, "w1 w2 w3 ".repeat(400)).unwrap();
+    let cases: [&[&str]; 5] = [
+        &["bench", "--model", m, "-p", "100000000", "-n", "0", "-r", "1"],
+        &["bench", "--model", m, "-p", "0", "-n", "100000000", "-r", "1"],
+        &["bench", "--model", m, "-p", "0", "-n", "8", "-r", "1", "--sequences", "2", "--sequence-prompt", "100000"],
+        &["eval", "--model", m, "--corpus", corpus.to_str().unwrap(), "--ctx", "300"],
+        &["eval", "--model", m, "--corpus", corpus.to_str().unwrap(), "--ctx", "1000"],
+    ];
+    for args in cases {
+        let out = ember(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("positions"), "{args:?}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_file(corpus);
+}
+
+#[test]
 fn more_threads_than_the_machine_are_capped_with_a_warning() {
     let model = tiny_model();
     for t in ["1000", "100000", "18446744073709551615"] {
