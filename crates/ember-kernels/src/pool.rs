@@ -192,6 +192,11 @@ pub fn init_global(threads: usize) -> bool {
     GLOBAL.get_or_init(|| ThreadPool::new(threads)).threads() == threads.max(1)
 }
 
+/// The process-wide pool's size, if it has been started.
+pub fn global_threads() -> Option<usize> {
+    GLOBAL.get().map(ThreadPool::threads)
+}
+
 /// The process-wide pool the dispatching kernels use: as set by
 /// [`init_global`], else one thread per available CPU.
 pub fn global() -> &'static ThreadPool {

@@ -386,13 +386,17 @@ impl Source {
 pub fn init_threads(threads: Option<usize>) -> Result<usize> {
     match threads {
         Some(0) => Err(Error::Option("the worker pool needs at least 1 thread".into())),
-        Some(n) if n > hardware_threads() => Err(Error::Option(format!(
-            "{n} worker threads asked for, but this process may run on {} hardware threads: more only slow the \
-             kernels down",
-            hardware_threads()
-        ))),
-        Some(n) if !pool::init_global(n) => Err(Error::Threads { requested: n, running: pool::global().threads() }),
-        Some(n) => Ok(n),
+        Some(n) => match pool::global_threads() {
+            Some(running) if running != n => Err(Error::Threads { requested: n, running }),
+            Some(_) => Ok(n),
+            None if n > hardware_threads() => Err(Error::Option(format!(
+                "{n} worker threads asked for, but this process may run on {} hardware threads: more only slow \
+                 the kernels down",
+                hardware_threads()
+            ))),
+            None if !pool::init_global(n) => Err(Error::Threads { requested: n, running: pool::global().threads() }),
+            None => Ok(n),
+        },
         None => {
             pool::init_global(physical_cores());
             Ok(pool::global().threads())
