@@ -447,17 +447,7 @@ pub fn step(
     chunk: usize,
     seqs: &mut [(&mut Context, &mut Decoding)],
 ) -> Result<()> {
-    let start = Instant::now();
-    // Sequences at a limit end here; the others stay live until they sample.
-    for (ctx, d) in seqs.iter_mut() {
-        d.ready(ctx);
-    }
-    // The batch buffer lives in the scratch, reused from step to step.
-    let mut batch = std::mem::take(&mut scratch.batch);
-    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch, usize::MAX);
-    scratch.batch = batch;
-    ran?;
-    sample_ready(model, seqs, start.elapsed())
+    passes_then_sample(model, scratch, chunk, seqs, usize::MAX)
 }
 
 /// One forward pass of several sequences together: every live sequence runs
@@ -478,12 +468,26 @@ pub fn advance(
     chunk: usize,
     seqs: &mut [(&mut Context, &mut Decoding)],
 ) -> Result<()> {
+    passes_then_sample(model, scratch, chunk, seqs, 1)
+}
+
+/// [`step`] and [`advance`]: at most `passes` forward passes of the waiting
+/// tokens, then a sample from every sequence that ran all of them.
+fn passes_then_sample(
+    model: &Model,
+    scratch: &mut Scratch,
+    chunk: usize,
+    seqs: &mut [(&mut Context, &mut Decoding)],
+    passes: usize,
+) -> Result<()> {
     let start = Instant::now();
+    // Sequences at a limit end here; the others stay live until they sample.
     for (ctx, d) in seqs.iter_mut() {
         d.ready(ctx);
     }
+    // The batch buffer lives in the scratch, reused from step to step.
     let mut batch = std::mem::take(&mut scratch.batch);
-    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch, 1);
+    let ran = run_waiting(model, scratch, chunk.max(1), seqs, &mut batch, passes);
     scratch.batch = batch;
     ran?;
     sample_ready(model, seqs, start.elapsed())
