@@ -556,8 +556,10 @@ fn stream_response(mut r: Reply, mut rx: mpsc::UnboundedReceiver<Event>, include
             }
         }
         if include_usage {
-            let object = if r.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-            tail.push(json!({"id": r.id, "object": object, "created": r.created, "model": r.model_id, "choices": [], "usage": usage(&finish)}));
+            let mut last = chunk(&r, Value::Null);
+            last["choices"] = json!([]);
+            last["usage"] = usage(&finish);
+            tail.push(last);
         }
         for c in tail {
             if out_tx.send(Ok(sse(&c))).is_err() {
