@@ -1913,6 +1913,25 @@ def main() -> int:
     res = Results()
     t_start = time.monotonic()
     servers: list[Server] = []
+    def phase(srv, checks, t0, panic_name, shown_cmd, startup):
+        """One server at a time: start it, run its checks, stop it, look for panics in its log."""
+        servers.append(srv)
+        print(f"# {shown_cmd}", flush=True)
+        try:
+            dt = srv.wait_ready()
+            res.info("startup", startup(dt))
+            run_checks(Ctx(args, srv, workdir), checks, res, only, t0)
+        except Fail as e:
+            for n, _ in checks:
+                if not only or n in only:
+                    res.fail(n, f"no server: {e}")
+        srv.stop()
+        if not only:
+            try:
+                res.ok(panic_name, no_panic(srv))
+            except Fail as e:
+                res.fail(panic_name, str(e))
+
     try:
         main_wanted = not only or any(n in only for n, _ in MAIN_CHECKS)
         queue_wanted = not only or any(n in only for n, _ in QUEUE_CHECKS)
@@ -1920,62 +1939,19 @@ def main() -> int:
         if main_wanted:
             s = Server(ember, model, ["--parallel", "4", "--api-key", API_KEY, "--max-queue", "8", *extra_name,
                                       *args.server_arg], workdir, "main")
-            servers.append(s)
-            print(f"# {' '.join(s.cmd)}", flush=True)
-            try:
-                dt = s.wait_ready()
-                res.info("startup", f"/health 200 after {dt:.1f}s on port {s.port}"
-                                    f"{' (503 while loading seen)' if s.saw_503 else ''}")
-                ctx = Ctx(args, s, workdir)
-                run_checks(ctx, MAIN_CHECKS, res, only, t_start)
-            except Fail as e:
-                for n, _ in MAIN_CHECKS:
-                    if not only or n in only:
-                        res.fail(n, f"no server: {e}")
-            s.stop()  # one server at a time
-            if not only:
-                try:
-                    res.ok("no_panic", no_panic(s))
-                except Fail as e:
-                    res.fail("no_panic", str(e))
+            phase(s, MAIN_CHECKS, t_start, "no_panic", " ".join(s.cmd),
+                  lambda dt: f"/health 200 after {dt:.1f}s on port {s.port}"
+                             f"{' (503 while loading seen)' if s.saw_503 else ''}")
         if batch_wanted:
             b = Server(ember, model, ["--parallel", str(BATCH_PARALLEL), "--ctx", "512", "--api-key", API_KEY,
                                       *extra_name, *args.server_arg], workdir, "batch")
-            servers.append(b)
-            print(f"# {' '.join(b.cmd)}", flush=True)
-            try:
-                dt = b.wait_ready()
-                res.info("startup", f"third server /health 200 after {dt:.1f}s on port {b.port}")
-                ctx = Ctx(args, b, workdir)
-                run_checks(ctx, BATCH_CHECKS, res, only, t_start - 60)  # it gets a minute more
-            except Fail as e:
-                for n, _ in BATCH_CHECKS:
-                    res.fail(n, f"no server: {e}")
-            b.stop()
-            if not only:
-                try:
-                    res.ok("no_panic_batch", no_panic(b))
-                except Fail as e:
-                    res.fail("no_panic_batch", str(e))
+            phase(b, BATCH_CHECKS, t_start - 60, "no_panic_batch", " ".join(b.cmd),  # it gets a minute more
+                  lambda dt: f"third server /health 200 after {dt:.1f}s on port {b.port}")
         if queue_wanted:
             q = Server(ember, model, ["--parallel", "1", "--max-queue", "1", *extra_name, *args.server_arg],
                        workdir, "queue", env_extra={"EMBER_API_KEY": API_KEY})
-            servers.append(q)
-            print(f"# EMBER_API_KEY={API_KEY} {' '.join(q.cmd)}", flush=True)
-            try:
-                dt = q.wait_ready()
-                res.info("startup", f"second server /health 200 after {dt:.1f}s on port {q.port}")
-                ctx = Ctx(args, q, workdir)
-                run_checks(ctx, QUEUE_CHECKS, res, only, t_start - 60)  # it gets a minute more
-            except Fail as e:
-                for n, _ in QUEUE_CHECKS:
-                    res.fail(n, f"no server: {e}")
-            q.stop()
-            if not only:
-                try:
-                    res.ok("no_panic_queue", no_panic(q))
-                except Fail as e:
-                    res.fail("no_panic_queue", str(e))
+            phase(q, QUEUE_CHECKS, t_start - 60, "no_panic_queue", f"EMBER_API_KEY={API_KEY} {' '.join(q.cmd)}",
+                  lambda dt: f"second server /health 200 after {dt:.1f}s on port {q.port}")
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}); stopping the servers", flush=True)
         res.fail("interrupted", str(e) or "Ctrl-C")
