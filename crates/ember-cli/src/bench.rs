@@ -113,7 +113,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut model =
         ember_model::advanced::load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     if let Some(q) = args.quant {
-        model.quantize(&crate::runtime::quant_policy(q)?);
+        model.quantize(&crate::runtime::quant_policy(q)?)?;
     }
     model.precision = args.precision;
     let bytes_per_token = model.weight_bytes_per_token();

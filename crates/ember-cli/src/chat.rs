@@ -94,16 +94,21 @@ pub fn run(args: Args) -> Result<()> {
     let mut turn = 0;
     let stdin = std::io::stdin();
     let mut lines = stdin.lock();
-    let mut line = String::new();
+    let mut bytes = Vec::new();
     loop {
         if interactive {
             eprint!("> ");
             std::io::stderr().flush()?;
         }
-        line.clear();
-        if lines.read_line(&mut line)? == 0 {
+        bytes.clear();
+        if lines.read_until(b'\n', &mut bytes)? == 0 {
             break;
         }
+        // One line that is not UTF-8 is refused alone; the session goes on.
+        let Ok(line) = std::str::from_utf8(&bytes) else {
+            eprintln!("(that line is not valid UTF-8 text; it was skipped)");
+            continue;
+        };
         let input = line.trim_end_matches(['\n', '\r']);
         match input.trim() {
             "" => continue,
@@ -169,7 +174,12 @@ pub fn run(args: Args) -> Result<()> {
                 session.capacity(),
             );
             if stop == "context_full" {
-                eprintln!("(the context is full: the next turn drops the oldest turns, or /reset)");
+                match args.context_full {
+                    OnFull::Drop => eprintln!("(the context is full: the next turn drops the oldest turns, or /reset)"),
+                    OnFull::Stop => {
+                        eprintln!("(the context is full: /reset, or run with --context-full drop or a larger --ctx)")
+                    }
+                }
             }
         }
         messages.push(Message::assistant(reply));
@@ -192,27 +202,40 @@ fn fit(
     const REPLY_ROOM: usize = 64;
     let room = session.capacity().saturating_sub(REPLY_ROOM.min(session.capacity() / 4));
     let mut dropped = 0;
+    let encode = |m: &[Message]| -> Result<Vec<u32>> { Ok(model.encode(&model.chat_prompt(m)?)?) };
     loop {
-        let ids = model.encode(&model.chat_prompt(messages)?)?;
+        let ids = encode(messages)?;
         if ids.len() <= room {
             if dropped > 0 {
                 eprintln!("(context full: dropped the {dropped} oldest turn(s) to make room)");
             }
             return Ok(Some((ids, dropped)));
         }
-        // The oldest turn after the system messages: a user message and the
-        // assistant's reply to it. The new message itself is never dropped.
-        let droppable = messages.len() - keep > 1;
-        if on_full == OnFull::Stop || !droppable {
-            let why = if droppable {
-                "run with --context-full drop to forget the oldest turns, or /reset"
-            } else {
-                "this message alone is too long; raise --ctx or send a shorter one"
-            };
-            eprintln!("(context full: {} tokens do not fit in {}; {why})", ids.len(), room);
+        // Would the new message fit with every earlier turn forgotten? If
+        // not, nothing is dropped: dropping would only lose the conversation.
+        if dropped == 0 {
+            let alone = [&messages[..keep], &messages[messages.len() - 1..]].concat();
+            let n = encode(&alone)?.len();
+            if n > room {
+                eprintln!(
+                    "(this message alone is too long: {n} tokens{} do not fit in {room}; raise --ctx or send a shorter one)",
+                    if keep > 0 { " with the system prompt" } else { "" }
+                );
+                messages.pop();
+                return Ok(None);
+            }
+        }
+        if on_full == OnFull::Stop {
+            eprintln!(
+                "(context full: {} tokens do not fit in {room}; run with --context-full drop to forget the oldest turns, or /reset)",
+                ids.len()
+            );
             messages.pop();
             return Ok(None);
         }
+        // The oldest turn after the system messages: a user message and the
+        // assistant's reply to it. The new message itself is never dropped
+        // (it fits alone, so there is an older turn while this does not fit).
         messages.remove(keep);
         if messages.len() > keep + 1 && messages[keep].role == Role::Assistant {
             messages.remove(keep);

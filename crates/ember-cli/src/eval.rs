@@ -88,7 +88,7 @@ pub fn run(args: Args) -> Result<()> {
         let start = Instant::now();
         let mut m = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
         if let Some(q) = quant {
-            m.quantize(&crate::runtime::quant_policy(q)?);
+            m.quantize(&crate::runtime::quant_policy(q)?)?;
             eprintln!("quantized to {} in {:.1} s", q.name(), start.elapsed().as_secs_f64());
         }
         m.precision = precision;

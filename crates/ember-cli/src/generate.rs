@@ -72,6 +72,18 @@ fn top_n(logits: &[f32], n: usize) -> TopLogits {
     TopLogits { logits: idx.iter().map(|&i| logits[i as usize]).collect(), ids: idx }
 }
 
+/// The logits `(vocab,)` after the prompt's last token, by one forward pass
+/// of the whole prompt.
+fn prompt_logits(model: &ember_model::Model, ids: &[u32]) -> Result<Vec<f32>> {
+    let decoder = model.decoder();
+    let mut state = decoder.new_state(ids.len());
+    let logits = state.run(decoder, ids, true)?.context("the prompt is empty")?.to_vec();
+    if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
+        return Err(ember_model::Error::NonFinite { position: ids.len() - 1, token: i, value: logits[i] }.into());
+    }
+    Ok(logits)
+}
+
 pub fn run(args: Args) -> Result<()> {
     let user_prompt = args.prompt.clone().context("--prompt is required")?;
     let (model, _) = args.runtime.load()?;
@@ -116,6 +128,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     let stats = generation.stats().clone();
     drop(generation);
+    if let (None, Some(n)) = (&top_logits, args.top_logits) {
+        // Nothing was sampled (--max-tokens 0): the prompt's last position
+        // still has its logits; run the prompt for them.
+        top_logits = Some(top_n(&prompt_logits(&model, &prompt_ids)?, n));
+    }
     let stop = stats.stop.map_or("none", StopReason::name);
     if args.json {
         let json = JsonOut {

@@ -21,6 +21,9 @@ mod runtime;
 mod sampling;
 mod serve;
 
+#[cfg(test)]
+mod fuzz;
+
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -66,6 +69,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let name = match &cli.command {
+        Some(Command::Bench(_)) => "bench",
+        Some(Command::Chat(_)) => "chat",
+        Some(Command::Eval(_)) => "eval",
+        Some(Command::Quantize(_)) => "quantize",
+        Some(Command::Serve(_)) => "serve",
+        None => "generate",
+    };
     let result = match cli.command {
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Chat(args)) => chat::run(args),
@@ -77,7 +88,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}{}", message(&e), hint(&e));
+            eprintln!("error: {}{}", message(&e), hint(&e, name));
             ExitCode::FAILURE
         }
     }
@@ -101,12 +112,20 @@ fn message(e: &anyhow::Error) -> String {
     out
 }
 
-/// What the user can do about a library error, in terms of this CLI's
-/// flags (the library does not know them).
-fn hint(e: &anyhow::Error) -> &'static str {
-    match e.chain().find_map(|c| c.downcast_ref::<ember_model::Error>()) {
-        Some(ember_model::Error::MissingModelDir(_)) => " (run `cargo xtask fetch`, or pass --model DIR)",
-        Some(ember_model::Error::PromptTooLong { .. }) => " (raise --ctx)",
+/// What the user can do about a library error, in terms of the flags of
+/// `command` (the library does not know them).
+fn hint(e: &anyhow::Error, command: &str) -> &'static str {
+    use ember_model::Error as E;
+    match (e.chain().find_map(|c| c.downcast_ref::<E>()), command) {
+        (Some(E::MissingModelDir(_)), _) => " (run `cargo xtask fetch`, or pass --model DIR)",
+        (Some(E::PromptTooLong { .. }), _) => " (raise --ctx)",
+        (Some(E::OutOfMemory { .. }), "bench") => " (lower -p, -n or --sequences)",
+        (Some(E::OutOfMemory { .. }), "eval") => " (lower --ctx)",
+        (Some(E::OutOfMemory { .. }), "serve") => " (lower --ctx, --parallel or --kv-budget)",
+        (Some(E::OutOfMemory { .. }), _) => " (lower --ctx)",
+        (Some(E::NonFinite { .. } | E::NonFiniteWeight { .. }), _) => {
+            " (the weights are damaged or overflow: re-download or re-quantize the model)"
+        }
         _ => "",
     }
 }

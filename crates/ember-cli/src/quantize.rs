@@ -45,10 +45,11 @@ pub fn run(args: Args) -> Result<()> {
     if args.out.exists() && std::fs::canonicalize(&args.out).ok() == std::fs::canonicalize(&dir).ok() {
         bail!("--out must be another folder than the model's");
     }
+    writable_beside(&args.out)?;
     let start = Instant::now();
     Config::from_file(&dir.join("config.json")).with_context(|| format!("reading {}", dir.display()))?;
     let mut model = load_qwen2(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-    model.quantize(&crate::runtime::quant_policy(args.quant)?);
+    model.quantize(&crate::runtime::quant_policy(args.quant)?)?;
     let quantized = start.elapsed();
     let store = TensorStore::open_dir(&dir)?;
     let gguf = is_gguf(&args.out);
@@ -71,6 +72,22 @@ pub fn run(args: Args) -> Result<()> {
         size as f64 / 1e6
     );
     println!("{}", args.out.display());
+    Ok(())
+}
+
+/// Fails at once, before seconds of quantizing, when nothing can be written
+/// where `out` goes: its parent folder is made if missing and a probe file
+/// created there and removed.
+fn writable_beside(out: &std::path::Path) -> Result<()> {
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let fail = |e: std::io::Error| anyhow::anyhow!("cannot write {}: {e}", out.display());
+    std::fs::create_dir_all(&parent).map_err(fail)?;
+    let probe = parent.join(format!(".ember-write-probe-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(fail)?;
+    let _ = std::fs::remove_file(&probe);
     Ok(())
 }
 

@@ -307,3 +307,164 @@ fn bad_quantization_arguments() {
     std::fs::write(&short, "w1 w2 w3").unwrap();
     assert_clean_failure(&ember(&["eval", "--model", m, "--corpus", short.to_str().unwrap()]), "fewer than one window");
 }
+
+/// Runs `ember chat ARGS` with `input` piped in; returns the output and the
+/// JSON turns it printed.
+fn chat(args: &[&str], input: &[u8]) -> (Output, Vec<serde_json::Value>) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .arg("chat")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let turns = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out, turns)
+}
+
+#[test]
+fn a_line_of_invalid_utf8_in_chat_is_skipped_and_the_session_goes_on() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let (out, turns) = chat(&["--model", m, "--temperature", "0", "-n", "2", "--json"], b"w10 w11\n\xff\xfe w3\nw12\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("not valid UTF-8"), "{err}");
+    assert_eq!(turns.len(), 2, "the lines before and after were both answered: {turns:?}");
+    assert!(turns[1]["reused_tokens"].as_u64().unwrap() > 0, "the conversation was kept");
+}
+
+#[test]
+fn a_message_too_long_to_fit_alone_drops_nothing() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let long: Vec<String> = (0..80).map(|i| format!("w{}", 10 + i % 80)).collect();
+    let input = format!("w10 w11 w12\n{}\nw13\n", long.join(" "));
+    for mode in ["drop", "stop"] {
+        let args = ["--model", m, "--temperature", "0", "-n", "2", "--ctx", "48", "--context-full", mode, "--json"];
+        let (out, turns) = chat(&args, input.as_bytes());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("alone is too long") && err.contains("--ctx"), "{mode}: {err}");
+        assert!(!err.contains("--context-full drop"), "{mode}: dropping cannot help, so it is not suggested: {err}");
+        assert_eq!(turns.len(), 2, "{mode}: {turns:?}");
+        // The first turn is still there when the third comes.
+        assert_eq!(turns[1]["dropped_turns"], 0, "{mode}");
+        assert!(turns[1]["reused_tokens"].as_u64().unwrap() > 0, "{mode}: {turns:?}");
+    }
+}
+
+#[test]
+fn top_logits_with_no_new_token_are_the_prompts() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let run = |n: &str| {
+        let out = ember(&["--model", m, "--prompt", "w17 w42 w5", "-n", n, "--json", "--top-logits", "3"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (zero, one) = (run("0"), run("1"));
+    assert_eq!(zero["ids"].as_array().unwrap().len(), 0);
+    assert_eq!(zero["top_logits"]["ids"].as_array().unwrap().len(), 3, "{zero}");
+    assert_eq!(zero["top_logits"]["ids"], one["top_logits"]["ids"]);
+    let (a, b) = (&zero["top_logits"]["logits"], &one["top_logits"]["logits"]);
+    for i in 0..3 {
+        assert!((a[i].as_f64().unwrap() - b[i].as_f64().unwrap()).abs() < 1e-4, "{a} vs {b}");
+    }
+}
+
+/// A copy of the tiny model with `tensor` (BF16) all NaN.
+fn nan_model(tag: &str, tensor: &str) -> PathBuf {
+    let src = tiny_model();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ember-cli-nan-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(header[tensor]["dtype"], "BF16");
+    let [a, b] = [0, 1].map(|i| header[tensor]["data_offsets"][i].as_u64().unwrap() as usize + 8 + n);
+    for w in bytes[a..b].chunks_exact_mut(2) {
+        w.copy_from_slice(&0x7fc0u16.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    dir
+}
+
+#[test]
+fn nan_weights_are_an_error_not_a_token() {
+    let dir = nan_model("gen", "model.layers.0.mlp.down_proj.weight");
+    let d = dir.to_str().unwrap();
+    assert_clean_failure(&ember(&["--model", d, "--prompt", "w1 w2", "-n", "3"]), "non-finite");
+    let top = ember(&["--model", d, "--prompt", "w1 w2", "-n", "0", "--json", "--top-logits", "3"]);
+    assert_clean_failure(&top, "non-finite");
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, (0..64).map(|i| format!("w{}", i % 90)).collect::<Vec<_>>().join(" ")).unwrap();
+    let eval = ember(&["eval", "--model", d, "--corpus", corpus.to_str().unwrap(), "--ctx", "16", "--json"]);
+    assert_clean_failure(&eval, "non-finite");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn quantizing_an_int8_folder_to_int4_is_refused() {
+    let model = tiny_model();
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let (q8, q4) = (tmp.join(format!("ember-cli-rq8-{}", std::process::id())), tmp.join("ember-cli-rq4"));
+    let _ = std::fs::remove_dir_all(&q8);
+    let _ = std::fs::remove_dir_all(&q4);
+    let out =
+        ember(&["quantize", "--model", model.to_str().unwrap(), "--quant", "int8", "--out", q8.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let before = std::fs::read(q8.join("model.safetensors")).unwrap();
+    let again = ember(&["quantize", "--model", q8.to_str().unwrap(), "--quant", "int4", "--out", q4.to_str().unwrap()]);
+    assert_clean_failure(&again, "quantize from the BF16");
+    assert!(!q4.exists(), "nothing written");
+    let at_load = ember(&["--model", q8.to_str().unwrap(), "--prompt", "w1", "--quant", "int4"]);
+    assert_clean_failure(&at_load, "is stored as int8");
+    assert_eq!(std::fs::read(q8.join("model.safetensors")).unwrap(), before, "the source is untouched");
+    let _ = std::fs::remove_dir_all(&q8);
+}
+
+#[test]
+fn an_unwritable_out_is_refused_before_quantizing() {
+    let model = tiny_model();
+    let out =
+        ember(&["quantize", "--model", model.to_str().unwrap(), "--quant", "int8", "--out", "/proc/ember-out/q8"]);
+    assert_clean_failure(&out, "/proc/ember-out/q8");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("quantized to"), "refused before the work");
+}
+
+/// A disk that fills while writing (here a file-size limit, with SIGXFSZ
+/// ignored so writes fail with an error as on a full disk): an error, and
+/// no temporary file or folder left beside the output.
+#[test]
+fn a_write_that_fails_midway_leaves_nothing_behind() {
+    let model = tiny_model();
+    let parent = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ember-cli-full-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&parent);
+    std::fs::create_dir_all(&parent).unwrap();
+    // (A GGUF output goes the same way, `.gguf.partial` removed on error;
+    // the tiny model's word-level tokenizer cannot be written to GGUF.)
+    let out = parent.join("q8");
+    // 16 blocks of 512 bytes: the small files fit, the weights do not.
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 16; exec '{}' quantize --model '{}' --quant int8 --out '{}'",
+        env!("CARGO_BIN_EXE_ember"),
+        model.display(),
+        out.display()
+    );
+    let run = Command::new("sh").args(["-c", &script]).output().unwrap();
+    assert_clean_failure(&run, "File too large");
+    let left: Vec<_> = std::fs::read_dir(&parent).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "{}: left behind {left:?}", out.display());
+    let _ = std::fs::remove_dir_all(&parent);
+}

@@ -6,6 +6,28 @@ use crate::error::{Error, Result};
 use serde::Deserialize;
 use std::path::Path;
 
+/// Bounds on `config.json`'s sizes, far above any released model (the largest
+/// have about 130 layers, widths of 50k, 128 heads of 256, vocabularies of
+/// 260k and contexts of 10M) and far below what would overflow or exhaust
+/// memory: a value past one is a corrupt or hostile file, refused before
+/// anything is allocated for it.
+pub(crate) mod limits {
+    /// `num_hidden_layers`.
+    pub const LAYERS: usize = 1 << 12;
+    /// `hidden_size` and `intermediate_size`.
+    pub const WIDTH: usize = 1 << 20;
+    /// `num_attention_heads` and `num_key_value_heads`.
+    pub const HEADS: usize = 1 << 12;
+    /// `head_dim`.
+    pub const HEAD_DIM: usize = 1 << 12;
+    /// `vocab_size`.
+    pub const VOCAB: usize = 1 << 24;
+    /// `max_position_embeddings`.
+    pub const POSITIONS: usize = 1 << 24;
+    /// Elements of any one weight matrix the config implies (2^40: 2 TB in BF16).
+    pub const MATRIX_ELEMENTS: usize = 1 << 40;
+}
+
 /// One token id or a list of them, as HF config files allow for `eos_token_id`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(untagged)]
@@ -118,21 +140,27 @@ impl Config {
             return Err(Error::UnknownArchitecture { path: path.into(), found });
         }
 
-        for (field, v) in [
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
-            ("num_hidden_layers", raw.num_hidden_layers),
-            ("num_attention_heads", raw.num_attention_heads),
-            ("max_position_embeddings", raw.max_position_embeddings),
-            ("vocab_size", raw.vocab_size),
+        let heads = raw.num_attention_heads;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        // Every count at least 1 and within its bound, before anything is
+        // computed from it.
+        for (field, v, max) in [
+            ("hidden_size", raw.hidden_size, limits::WIDTH),
+            ("intermediate_size", raw.intermediate_size, limits::WIDTH),
+            ("num_hidden_layers", raw.num_hidden_layers, limits::LAYERS),
+            ("num_attention_heads", heads, limits::HEADS),
+            ("num_key_value_heads", kv_heads, limits::HEADS),
+            ("max_position_embeddings", raw.max_position_embeddings, limits::POSITIONS),
+            ("vocab_size", raw.vocab_size, limits::VOCAB),
         ] {
             if v == 0 {
                 return Err(err(field, "must be positive".into()));
             }
+            if v > max {
+                return Err(err(field, format!("{v} is larger than ember accepts ({max}): a corrupt file?")));
+            }
         }
-        let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        if !heads.is_multiple_of(kv_heads) {
             return Err(err("num_key_value_heads", format!("{kv_heads} does not divide num_attention_heads {heads}")));
         }
         let head_dim = match raw.head_dim {
@@ -148,8 +176,37 @@ impl Config {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(err("head_dim", format!("{head_dim} must be positive and even for RoPE")));
         }
-        if !(raw.rms_norm_eps > 0.0 && raw.rms_norm_eps.is_finite()) {
-            return Err(err("rms_norm_eps", format!("{} must be a positive number", raw.rms_norm_eps)));
+        if head_dim > limits::HEAD_DIM {
+            return Err(err(
+                "head_dim",
+                format!("{head_dim} is larger than ember accepts ({}): a corrupt file?", limits::HEAD_DIM),
+            ));
+        }
+        // Each matrix's element count, computed with checked arithmetic (the
+        // bounds above keep them far from overflow; this says so in code).
+        let (h, ff, vocab) = (raw.hidden_size, raw.intermediate_size, raw.vocab_size);
+        for (field, factors) in [
+            ("num_attention_heads", [heads, head_dim, h]),
+            ("num_key_value_heads", [kv_heads, head_dim, h]),
+            ("intermediate_size", [ff, h, 1]),
+            ("vocab_size", [vocab, h, 1]),
+        ] {
+            let n = factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f));
+            if n.is_none_or(|n| n > limits::MATRIX_ELEMENTS) {
+                return Err(err(
+                    field,
+                    format!(
+                        "a {} matrix of the model would have more than {} elements: a corrupt file?",
+                        factors.iter().filter(|&&f| f != 1).map(|f| f.to_string()).collect::<Vec<_>>().join(" × "),
+                        limits::MATRIX_ELEMENTS
+                    ),
+                ));
+            }
+        }
+        // Used as f32: a value that is positive and finite only as f64 is refused.
+        let eps = raw.rms_norm_eps as f32;
+        if !(eps > 0.0 && eps.is_finite()) {
+            return Err(err("rms_norm_eps", format!("{} must be a positive number (as f32)", raw.rms_norm_eps)));
         }
         // RoPE: plain rotate-half RoPE only; scaled variants would silently
         // give wrong answers at long contexts.
@@ -164,8 +221,8 @@ impl Config {
             }
         }
         let rope_theta = rope_theta.unwrap_or(10_000.0);
-        if !(rope_theta > 0.0 && rope_theta.is_finite()) {
-            return Err(err("rope_theta", format!("{rope_theta} must be a positive number")));
+        if !(rope_theta as f32 > 0.0 && (rope_theta as f32).is_finite()) {
+            return Err(err("rope_theta", format!("{rope_theta} must be a positive number (as f32)")));
         }
         if let Some(act) = raw.hidden_act.as_deref() {
             if act != "silu" {
@@ -186,7 +243,7 @@ impl Config {
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            rms_norm_eps: raw.rms_norm_eps as f32,
+            rms_norm_eps: eps,
             rope_theta: rope_theta as f32,
             max_position_embeddings: raw.max_position_embeddings,
             vocab_size: raw.vocab_size,

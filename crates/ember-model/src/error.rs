@@ -114,6 +114,32 @@ pub enum Error {
         name: String,
     },
 
+    /// `model.safetensors.index.json` maps a tensor to a shard that is not a
+    /// plain file name of the model folder (`..`, an absolute path, a
+    /// sub-folder).
+    #[error("{}: tensor `{tensor}` is mapped to shard `{shard}`, which is not a file name inside the model folder (folders, `..` and absolute paths are refused)", path.display())]
+    ShardName {
+        /// The index file.
+        path: PathBuf,
+        /// A tensor mapped to it.
+        tensor: String,
+        /// The shard's name as written.
+        shard: String,
+    },
+
+    /// The weights hold a tensor the model as configured does not use: the
+    /// checkpoint is not the model its config describes, and running
+    /// without the tensor would be silently wrong.
+    #[error("{}: tensor `{name}` is not used by a Qwen2 model of this configuration{}; the weights are not the model the config describes", path.display(), if *more > 0 { format!(" (nor are {more} more)") } else { String::new() })]
+    UnusedTensor {
+        /// The weights file holding it.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        name: String,
+        /// How many other tensors are unused.
+        more: usize,
+    },
+
     /// A tensor's shape differs from what the config implies.
     #[error("{}: tensor `{name}` has shape {found:?}, expected {expected:?}", path.display())]
     Shape {
@@ -208,9 +234,66 @@ pub enum Error {
     #[error("sampler: {0}")]
     Sampler(#[from] ember_sample::SamplerError),
 
+    /// A forward pass produced a NaN or infinite logit: the weights (or
+    /// activations computed from them) are not finite numbers. Generation
+    /// stops here rather than sample from a meaningless distribution.
+    #[error("the forward pass produced a non-finite logit ({value}) for token {token} at position {position}: the model's weights hold NaN or infinite values, or its activations overflowed")]
+    NonFinite {
+        /// The position (0-based) of the token whose logits are not finite.
+        position: usize,
+        /// The vocabulary index of the first non-finite logit.
+        token: usize,
+        /// That logit (NaN, inf or −inf).
+        value: f32,
+    },
+
+    /// Quantization was asked for a matrix already stored in another
+    /// quantized type (`--quant int4` on an INT8 folder, or on a GGUF
+    /// file's Q4_K weights).
+    #[error("tensor `{name}` is stored as {stored}, not {wanted}; ember does not quantize quantized weights again (rounding twice loses more than once): quantize from the BF16, F16 or F32 weights")]
+    AlreadyQuantized {
+        /// The tensor's HuggingFace name.
+        name: String,
+        /// Its type (`int8`, `q4_k`, ...).
+        stored: String,
+        /// The type asked for.
+        wanted: String,
+    },
+
+    /// A small tensor checked at load (a norm's weights, a bias) holds NaN
+    /// or infinity.
+    #[error("tensor `{name}` holds a non-finite value ({value}) at index {index}")]
+    NonFiniteWeight {
+        /// The tensor's HuggingFace name.
+        name: String,
+        /// The index of the first such value.
+        index: usize,
+        /// That value.
+        value: f32,
+    },
+
+    /// A large buffer (a KV cache, logits of many positions, ...) could not
+    /// be allocated: the machine does not have the memory asked for.
+    #[error("could not allocate {} for {what}", gib(*bytes))]
+    OutOfMemory {
+        /// What the buffer is for.
+        what: &'static str,
+        /// Bytes asked for (`usize::MAX` when the size itself overflowed).
+        bytes: usize,
+    },
+
     /// A model's tool call could not be read (see [`parse_tool_calls`](crate::parse_tool_calls)).
     #[error("{0}")]
     ToolCall(String),
+}
+
+/// `bytes` as GiB for a message (or "more memory than can be addressed").
+fn gib(bytes: usize) -> String {
+    if bytes == usize::MAX {
+        "more memory than can be addressed".into()
+    } else {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    }
 }
 
 impl Error {

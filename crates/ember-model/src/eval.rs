@@ -8,6 +8,7 @@
 //! (every scored prediction has at least `ctx / 2` tokens of context): for
 //! `j` in `ctx/2 .. ctx-1`, the logits after token `j` predict token `j + 1`.
 
+use crate::alloc;
 use crate::error::{Error, Result};
 use crate::qwen2::Qwen2;
 use ember_kernels::pool::{self, SharedMut};
@@ -91,8 +92,10 @@ pub fn evaluate_with(
     }
     let first = ctx / 2;
     let scored = ctx - 1 - first;
-    let mut logits = vec![0.0f32; (ctx - first) * vocab];
-    let mut base_logits = vec![0.0f32; if base.is_some() { (ctx - first) * vocab } else { 0 }];
+    const LOGITS: &str = "the logits of a window's scored positions";
+    let per_window = alloc::product(&[ctx - first, vocab], LOGITS)?;
+    let mut logits: Vec<f32> = alloc::zeroed(per_window, LOGITS)?;
+    let mut base_logits: Vec<f32> = alloc::zeroed(if base.is_some() { per_window } else { 0 }, LOGITS)?;
     let mut scores = Vec::with_capacity(windows * scored);
     for w in 0..windows {
         let window = &tokens[w * ctx..(w + 1) * ctx];
@@ -108,9 +111,11 @@ pub fn evaluate_with(
                 }
             }
         }
+        check_finite(&logits, vocab, w * ctx + first)?;
         if let Some(b) = base {
             let mut state = b.new_state(ctx);
             base_logits.copy_from_slice(state.run_scored(b, window, first)?);
+            check_finite(&base_logits, vocab, w * ctx + first)?;
         }
         let mut out = vec![Score::default(); scored];
         {
@@ -145,6 +150,16 @@ pub fn evaluate_with(
         windows,
         ctx,
     })
+}
+
+/// [`Error::NonFinite`] for the first non-finite value of `logits`
+/// `(positions, vocab)`, whose first row is the logits after the token at
+/// `position`.
+fn check_finite(logits: &[f32], vocab: usize, position: usize) -> Result<()> {
+    match crate::generate::first_non_finite(logits) {
+        None => Ok(()),
+        Some(i) => Err(Error::NonFinite { position: position + i / vocab, token: i % vocab, value: logits[i] }),
+    }
 }
 
 /// `log softmax(x)[i]` for every i, in f64.

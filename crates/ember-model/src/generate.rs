@@ -4,7 +4,7 @@
 //! each. [`Session`](crate::Session) and [`Generation`](crate::Generation)
 //! drive one sequence with these.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::options::{CancelToken, GenerateOptions};
@@ -66,9 +66,10 @@ impl Context {
     /// this one (at most those cached) and nothing pending: a continuation
     /// from a shared prefix that copies only the prefix's keys and values
     /// (a server's prefix cache forks its entries so).
-    pub fn fork_prefix(&self, len: usize) -> Context {
+    /// An error if the memory for another cache is not there.
+    pub fn fork_prefix(&self, len: usize) -> Result<Context> {
         let len = len.min(self.tokens.len());
-        Context { cache: self.cache.copy_prefix(len), tokens: self.tokens[..len].to_vec(), pending: Vec::new() }
+        Ok(Context { cache: self.cache.copy_prefix(len)?, tokens: self.tokens[..len].to_vec(), pending: Vec::new() })
     }
 
     /// Forgets every token after the first `len` (cached or pending).
@@ -309,6 +310,11 @@ impl Decoding {
     /// Samples the next token from `self.logits` and updates the text, stop
     /// strings and limits.
     fn sample(&mut self, model: &Model, ctx: &mut Context) -> Result<Token> {
+        // Never a token drawn from NaN: the sampler would pick an arbitrary one.
+        if let Some(i) = first_non_finite(&self.logits) {
+            let position = ctx.tokens.len().saturating_sub(1);
+            return Err(Error::NonFinite { position, token: i, value: self.logits[i] });
+        }
         self.scratch.copy_from_slice(&self.logits);
         let id = self.sampler.sample(&mut self.scratch, &self.history);
         self.history.push(id);
@@ -493,6 +499,24 @@ fn passes_then_sample(
     sample_ready(model, seqs, start.elapsed())
 }
 
+/// The index of the first NaN or infinite value of `x`, if any. A pass of
+/// lane-wise `v · 0` sums first (0 for finite values, NaN otherwise), which
+/// vectorises: the check costs a few microseconds over a vocabulary.
+pub(crate) fn first_non_finite(x: &[f32]) -> Option<usize> {
+    let mut lanes = [0.0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v * 0.0;
+        }
+    }
+    let tail = chunks.remainder().iter().fold(0.0f32, |a, &v| a + v * 0.0);
+    if lanes.iter().fold(tail, |a, &l| a + l) == 0.0 {
+        return None;
+    }
+    x.iter().position(|v| !v.is_finite())
+}
+
 /// Samples the next token of every live sequence whose waiting tokens have
 /// all run, charging `elapsed` to its prompt or decode time.
 fn sample_ready(model: &Model, seqs: &mut [(&mut Context, &mut Decoding)], elapsed: Duration) -> Result<()> {
@@ -539,7 +563,7 @@ fn run_waiting(
                 d.stop(ctx, StopReason::Cancelled);
                 continue;
             }
-            let to = (from + chunk).min(d.todo.len());
+            let to = from.saturating_add(chunk).min(d.todo.len());
             let pos0 = ctx.tokens.len();
             for (k, &token) in d.todo[from..to].iter().enumerate() {
                 let last = from + k + 1 == d.todo.len();
@@ -566,4 +590,27 @@ fn run_waiting(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_non_finite;
+
+    #[test]
+    fn non_finite_values_are_found_wherever_they_are() {
+        let mut x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 1e30).collect();
+        x[3] = -0.0;
+        assert_eq!(first_non_finite(&x), None);
+        for (i, bad) in [(0, f32::NAN), (17, f32::INFINITY), (998, f32::NEG_INFINITY), (999, f32::NAN)] {
+            let mut y = x.clone();
+            y[i] = bad;
+            assert_eq!(first_non_finite(&y), Some(i), "{bad} at {i}");
+        }
+        let mut y = x.clone();
+        y[500] = f32::NAN;
+        y[20] = f32::INFINITY;
+        assert_eq!(first_non_finite(&y), Some(20), "the first one");
+        assert_eq!(first_non_finite(&[]), None);
+        assert_eq!(first_non_finite(&[f32::MAX, f32::MIN]), None);
+    }
 }

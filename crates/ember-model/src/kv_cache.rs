@@ -1,14 +1,21 @@
 //! The key/value cache: every past position's keys and values, per layer, so
 //! each new token attends to the past without recomputing it.
 
+use crate::alloc;
+use crate::error::Result;
+
 /// Keys and values of up to `capacity` positions for each layer.
 ///
-/// Buffers are allocated zeroed up front (the allocator hands back untouched
-/// pages, so memory is only committed as positions are written).
+/// Making a cache allocates nothing; its buffers are allocated zeroed by
+/// the first forward pass that writes to it ([`KvCache::allocate`]), which
+/// is where a size the machine cannot hold becomes an
+/// [`Error::OutOfMemory`](crate::Error::OutOfMemory) (the allocator hands
+/// back untouched pages, so memory is only committed as positions are
+/// written).
 pub struct KvCache {
-    /// `(layers, capacity, kv_dim)`
+    /// `(layers, capacity, kv_dim)`, empty until allocated.
     keys: Vec<f32>,
-    /// `(layers, capacity, kv_dim)`
+    /// `(layers, capacity, kv_dim)`, empty until allocated.
     values: Vec<f32>,
     layers: usize,
     capacity: usize,
@@ -19,20 +26,36 @@ pub struct KvCache {
 
 impl Clone for KvCache {
     /// A cache of the same capacity holding the same filled positions; only
-    /// those are copied (the rest stays untouched, uncommitted memory).
+    /// those are copied (the rest stays untouched, uncommitted memory). Like
+    /// cloning any `Vec`, an allocation failure aborts: use
+    /// [`KvCache::copy_prefix`] to get an error instead.
     fn clone(&self) -> KvCache {
-        self.copy_prefix(self.len)
+        let n = self.keys.len();
+        let empty = KvCache { keys: vec![0.0; n], values: vec![0.0; n], len: 0, ..*self };
+        self.copy_into(empty, self.len)
     }
 }
 
 impl KvCache {
     /// A cache of the same capacity holding the first `len` filled
     /// positions of this one (at most those filled); only they are copied.
-    pub fn copy_prefix(&self, len: usize) -> KvCache {
-        let len = len.min(self.len);
+    /// An error if the memory for another cache of this capacity is not there.
+    pub fn copy_prefix(&self, len: usize) -> Result<KvCache> {
         let mut c = KvCache::new(self.layers, self.capacity, self.kv_dim);
+        if len.min(self.len) > 0 {
+            c.allocate()?;
+        }
+        Ok(self.copy_into(c, len))
+    }
+
+    /// Copies the first `len` filled positions into `c`, an empty cache of
+    /// the same shape (allocated if any position is copied).
+    fn copy_into(&self, mut c: KvCache, len: usize) -> KvCache {
+        let len = len.min(self.len);
         let n = len * self.kv_dim;
-        for l in 0..self.layers {
+        // Nothing to copy: `c` may be unallocated.
+        let layers = if n > 0 { self.layers } else { 0 };
+        for l in 0..layers {
             let start = l * self.capacity * self.kv_dim;
             c.keys[start..start + n].copy_from_slice(&self.keys[start..start + n]);
             c.values[start..start + n].copy_from_slice(&self.values[start..start + n]);
@@ -55,10 +78,38 @@ impl std::fmt::Debug for KvCache {
 
 impl KvCache {
     /// An empty cache of `capacity` positions for `layers` layers of
-    /// `kv_dim` keys (and as many values) each.
+    /// `kv_dim` keys (and as many values) each. Allocates nothing yet.
     pub fn new(layers: usize, capacity: usize, kv_dim: usize) -> KvCache {
-        let n = layers * capacity * kv_dim;
-        KvCache { keys: vec![0.0; n], values: vec![0.0; n], layers, capacity, kv_dim, len: 0 }
+        KvCache { keys: Vec::new(), values: Vec::new(), layers, capacity, kv_dim, len: 0 }
+    }
+
+    /// Allocates the buffers if they are not yet:
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when the machine
+    /// cannot hold them (a size that overflows included). Forward passes
+    /// call it before writing.
+    pub fn allocate(&mut self) -> Result<()> {
+        const WHAT: &str = "the KV cache";
+        if !self.keys.is_empty() {
+            return Ok(());
+        }
+        let n = alloc::product(&[self.layers, self.capacity, self.kv_dim, 2], WHAT)? / 2;
+        let keys = alloc::zeroed(n, WHAT)?;
+        self.values = alloc::zeroed(n, WHAT)?;
+        self.keys = keys;
+        Ok(())
+    }
+
+    /// Bytes the cache's buffers take once allocated (saturating).
+    pub fn bytes(&self) -> usize {
+        [self.layers, self.capacity, self.kv_dim, 2, std::mem::size_of::<f32>()]
+            .iter()
+            .try_fold(1usize, |p, &f| p.checked_mul(f))
+            .unwrap_or(usize::MAX)
+    }
+
+    /// `(layers, kv_dim)`: the model shape the cache was made for.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.layers, self.kv_dim)
     }
 
     /// Positions cached.
@@ -121,6 +172,7 @@ mod tests {
     #[test]
     fn layers_and_positions_do_not_overlap() {
         let mut c = KvCache::new(2, 3, 2);
+        c.allocate().unwrap();
         c.store(0, 0, &[1.0, 2.0], &[3.0, 4.0]);
         c.store(1, 0, &[5.0, 6.0], &[7.0, 8.0]);
         c.advance();
@@ -132,12 +184,25 @@ mod tests {
         assert_eq!((copy.len(), copy.capacity()), (2, 3));
         assert_eq!(copy.layer(0, 2), c.layer(0, 2));
         assert_eq!(copy.layer(1, 2), c.layer(1, 2));
-        let head = c.copy_prefix(1);
+        let head = c.copy_prefix(1).unwrap();
         assert_eq!((head.len(), head.capacity()), (1, 3));
         assert_eq!(head.layer(0, 1), c.layer(0, 1));
         assert_eq!(head.layer(1, 1), c.layer(1, 1));
-        assert_eq!(c.copy_prefix(9).len(), 2, "at most what is filled");
+        assert_eq!(c.copy_prefix(9).unwrap().len(), 2, "at most what is filled");
+        // An empty prefix of any cache needs no memory.
+        assert_eq!(KvCache::new(24, 10_000_000_000_000, 128).copy_prefix(5).unwrap().len(), 0);
         c.truncate(1);
         assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn a_cache_the_machine_cannot_hold_is_an_error() {
+        // 24 layers × 10^13 positions × 128: what `max_position_embeddings`
+        // 1e13 with a large context asked for (an abort before).
+        let mut c = KvCache::new(24, 10_000_000_000_000, 128);
+        let e = c.allocate().unwrap_err();
+        assert!(matches!(e, crate::Error::OutOfMemory { what: "the KV cache", .. }), "{e}");
+        let e = KvCache::new(1 << 40, 1 << 40, 128).allocate().unwrap_err();
+        assert!(e.to_string().contains("more memory than can be addressed"), "{e}");
     }
 }

@@ -220,6 +220,7 @@
 
 #![warn(missing_docs)]
 
+mod alloc;
 mod bench;
 mod chat;
 mod config;

@@ -119,6 +119,12 @@ impl ModelBuilder {
     /// `.gguf` file, or of a folder holding exactly one and no
     /// `config.json`): hyper-parameters, weights, tokenizer and chat template
     /// all from the file. Errors name the file, tensor or field at fault.
+    ///
+    /// Nothing is trusted before it is checked: the config's sizes are
+    /// bounded and their products computed with checked arithmetic, and the
+    /// weights must be exactly the model the config describes (its layers,
+    /// no more; every tensor of the shape the config implies; no tensor
+    /// unused), before any buffer is allocated from them.
     pub fn load(self) -> Result<Arc<Model>> {
         if self.context == 0 {
             return Err(Error::Option("a context of 0 tokens holds nothing; it must be at least 1".into()));
@@ -142,12 +148,12 @@ impl ModelBuilder {
                 let tokenizer = Tokenizer::from_gguf(&g)?;
                 let eos = crate::gguf::eos_ids(&g);
                 let config = crate::gguf::qwen2_config(&g)?;
-                let qwen2 = Qwen2::from_store(config, &TensorStore::open_gguf(g)?)?;
+                let qwen2 = decoder(config, file, &TensorStore::open_gguf(g)?)?;
                 (qwen2, tokenizer, GenerationConfig::default(), eos)
             }
         };
         if let Some(policy) = &self.quantize {
-            qwen2.quantize(policy);
+            qwen2.quantize(policy)?;
         }
         qwen2.precision = self.precision;
         let context = self.context.min(qwen2.config.max_position_embeddings);
@@ -307,16 +313,69 @@ impl fmt::Debug for Model {
 pub fn load_qwen2(dir: &Path) -> Result<Qwen2> {
     match Source::resolve(dir)? {
         Source::Folder(dir) => {
-            let config = Config::from_file(&dir.join("config.json"))?;
-            let store = TensorStore::open_dir(&dir)?;
-            Qwen2::from_store(config, &store)
+            let config_path = dir.join("config.json");
+            let config = Config::from_file(&config_path)?;
+            decoder(config, &config_path, &TensorStore::open_dir(&dir)?)
         }
         Source::Gguf(file) => {
             let g = Gguf::open(&file)?;
             let config = crate::gguf::qwen2_config(&g)?;
-            Qwen2::from_store(config, &TensorStore::open_gguf(g)?)
+            decoder(config, &file, &TensorStore::open_gguf(g)?)
         }
     }
+}
+
+/// The decoder `config` describes, from `store`, cross-checked both ways:
+/// the weights hold exactly the config's layers (checked before anything is
+/// taken), every tensor has the shape the config implies
+/// ([`Qwen2::from_store`]), and every tensor is used (so a checkpoint of
+/// another size or architecture is an error, not a silently wrong model).
+/// `config_path` is where the config came from, for messages.
+fn decoder(config: Config, config_path: &Path, store: &TensorStore) -> Result<Qwen2> {
+    check_layers(&config, config_path, store)?;
+    let qwen2 = Qwen2::from_store(config, store)?;
+    if let Some((first, rest)) = store.unused().split_first() {
+        return Err(Error::UnusedTensor {
+            path: store.file_of(first).to_path_buf(),
+            name: store.display_name(first),
+            more: rest.len(),
+        });
+    }
+    Ok(qwen2)
+}
+
+/// The layers of the weights (`model.layers.N.*`, N written plainly) are
+/// exactly `0..num_hidden_layers`.
+fn check_layers(config: &Config, config_path: &Path, store: &TensorStore) -> Result<()> {
+    let mut layers = std::collections::BTreeMap::new();
+    for name in store.names() {
+        let Some((n, _)) = name.strip_prefix("model.layers.").and_then(|rest| rest.split_once('.')) else {
+            continue;
+        };
+        // `01` or `+1` is not a layer's name: such a tensor is unused.
+        let plain = n == "0" || (!n.starts_with('0') && n.bytes().all(|b| b.is_ascii_digit()));
+        if let Some(n) = n.parse::<usize>().ok().filter(|_| plain) {
+            let first = layers.entry(n).or_insert(name);
+            *first = (*first).min(name);
+        }
+    }
+    let declared = config.num_hidden_layers;
+    let err = |message: String| Error::Config { path: config_path.to_path_buf(), field: "num_hidden_layers", message };
+    let weights = store.file_of("").display().to_string();
+    if let Some((&n, &name)) = layers.range(declared..).next() {
+        return Err(err(format!(
+            "is {declared}, but {weights} has a layer {n} (`{}`): it and every layer after would be ignored",
+            store.display_name(name)
+        )));
+    }
+    if let Some(missing) = (0..declared).find(|i| !layers.contains_key(i)) {
+        return Err(err(format!(
+            "is {declared}, but {weights} holds {} layers (none of layer {missing}'s tensors, `{}`)",
+            layers.len(),
+            store.display_name(&format!("model.layers.{missing}.input_layernorm.weight"))
+        )));
+    }
+    Ok(())
 }
 
 /// Where a model is: a HuggingFace folder or a GGUF file.
@@ -343,6 +402,10 @@ impl Source {
             };
         }
         if !path.is_dir() {
+            // A `.gguf` path names a file: say the file is missing, not a folder.
+            if is_gguf(path) {
+                return Err(Error::io(path, std::io::Error::from(std::io::ErrorKind::NotFound)));
+            }
             return Err(Error::MissingModelDir(path.to_path_buf()));
         }
         if path.join("config.json").is_file() {

@@ -16,6 +16,7 @@
 //! logits = lm_head(norm(x))                      tokens that want logits; lm_head = embed_tokens when tied
 //! ```
 
+use crate::alloc;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -26,6 +27,17 @@ use ember_kernels::pool;
 use ember_kernels::{
     matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType,
 };
+
+/// `values` of tensor `name`, or [`Error::NonFiniteWeight`]: the small
+/// tensors (norms, biases) are checked at load, the cheap part of "no NaN
+/// runs silently" (a NaN in a matrix shows in the logits, which decoding
+/// checks).
+fn finite(name: &str, values: Vec<f32>) -> Result<Vec<f32>> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(values),
+        Some(index) => Err(Error::NonFiniteWeight { name: name.into(), index, value: values[index] }),
+    }
+}
 
 /// A projection `y = W x (+ b)`, `W (out, in)`.
 pub struct Linear {
@@ -39,7 +51,10 @@ impl Linear {
     fn load(store: &TensorStore, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
         let weight = store.get(&format!("{prefix}.weight"), &[out, inp])?;
         let bias = match bias {
-            true => Some(store.get(&format!("{prefix}.bias"), &[out])?.to_f32_vec()),
+            true => {
+                let name = format!("{prefix}.bias");
+                Some(finite(&name, store.get(&name, &[out])?.to_f32_vec())?)
+            }
             false => None,
         };
         Ok(Linear { weight, bias })
@@ -269,7 +284,7 @@ impl Qwen2 {
     pub fn from_store(config: Config, store: &TensorStore) -> Result<Qwen2> {
         let c = &config;
         let h = c.hidden_size;
-        let norm = |name: String| store.get(&name, &[h]).map(|t| t.to_f32_vec());
+        let norm = |name: String| finite(&name, store.get(&name, &[h])?.to_f32_vec());
         let embed_tokens = store.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
@@ -302,17 +317,40 @@ impl Qwen2 {
     }
 
     /// Quantizes the weight matrices in place, each to the type `policy`
-    /// gives its role. Matrices already quantized stay as they are.
-    pub fn quantize(&mut self, policy: &QuantPolicy) {
+    /// gives its role. A matrix already stored in that type stays as it is
+    /// (quantizing a quantized folder with its own policy changes nothing);
+    /// one stored in another quantized type is [`Error::AlreadyQuantized`]
+    /// and nothing changes: rounding twice loses more than once, and
+    /// keeping it while reporting the new type would be a lie.
+    pub fn quantize(&mut self, policy: &QuantPolicy) -> Result<()> {
         let tied = self.lm_head.same_data(&self.embed_tokens);
+        let roles = layer_matrices(&self.config).map(|(name, role, _, _)| (name, role));
+        // Check everything first, so an error leaves the model untouched.
+        let check = |t: &Tensor, name: String, role: WeightRole| {
+            let wanted = policy.format_for(role);
+            match t.dtype.is_quantized() && t.dtype != wanted {
+                true => {
+                    Err(Error::AlreadyQuantized { name, stored: t.dtype.name().into(), wanted: wanted.name().into() })
+                }
+                false => Ok(()),
+            }
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (p, (name, role)) in layer.matrices().into_iter().zip(roles) {
+                check(&p.weight, format!("model.layers.{i}.{name}.weight"), role)?;
+            }
+        }
+        check(&self.embed_tokens, "model.embed_tokens.weight".into(), WeightRole::Vocabulary)?;
+        if !tied {
+            check(&self.lm_head, "lm_head.weight".into(), WeightRole::Vocabulary)?;
+        }
         let convert = |t: &mut Tensor, role: WeightRole| {
             if t.can_quantize() {
                 *t = t.quantize(policy.format_for(role));
             }
         };
-        let roles = layer_matrices(&self.config).map(|(_, role, _, _)| role);
         for layer in &mut self.layers {
-            for (p, role) in layer.matrices_mut().into_iter().zip(roles) {
+            for (p, (_, role)) in layer.matrices_mut().into_iter().zip(roles) {
                 convert(&mut p.weight, role);
             }
         }
@@ -322,6 +360,7 @@ impl Qwen2 {
         } else {
             convert(&mut self.lm_head, WeightRole::Vocabulary);
         }
+        Ok(())
     }
 
     /// A fresh single-sequence state with room for `context` positions.
@@ -364,13 +403,16 @@ impl Qwen2 {
         let c = &self.config;
         let t = batch.len();
         self.check_batch(batch, caches)?;
+        for b in batch {
+            caches[b.seq].allocate()?;
+        }
         let (h, hd, vocab) = (c.hidden_size, c.head_dim, c.vocab_size);
         let isa = Isa::active();
         let pool = pool::global();
         let shape = AttnShape { n_heads: c.num_attention_heads, n_kv_heads: c.num_key_value_heads, head_dim: hd };
         let eps = c.rms_norm_eps;
         let s = scratch;
-        s.reserve(c, t);
+        s.reserve(c, t)?;
         // Batch buffers, row i for token i:
         let x = &mut s.x[..t * h]; // (T, hidden) residual stream
         let hb = &mut s.h[..t * h]; // (T, hidden) normalised input, or a block's output
@@ -443,7 +485,7 @@ impl Qwen2 {
         for (i, j) in batch.iter().enumerate().filter(|(_, b)| b.logits).map(|(j, _)| j).enumerate() {
             rmsnorm(&x[j * h..(j + 1) * h], &self.norm, eps, &mut normed[i * h..(i + 1) * h]);
         }
-        s.logits.resize(n * vocab, 0.0);
+        alloc::resize(&mut s.logits, alloc::product(&[n, vocab], LOGITS)?, 0.0, LOGITS)?;
         let logits = &mut s.logits[..n * vocab];
         match n {
             0 => {}
@@ -479,6 +521,15 @@ impl Qwen2 {
                     caches.len()
                 ))
             })?;
+            let (layers, kv_dim) = cache.shape();
+            if (layers, kv_dim) != (self.config.num_hidden_layers, self.config.kv_dim()) {
+                return Err(Error::InvalidBatch(format!(
+                    "sequence {}'s cache has {layers} layers of {kv_dim} keys, but the model {} of {}",
+                    b.seq,
+                    self.config.num_hidden_layers,
+                    self.config.kv_dim()
+                )));
+            }
             let before = batch[..i].iter().filter(|o| o.seq == b.seq).count();
             let expected = cache.len() + before;
             if b.pos >= cache.capacity() {
@@ -540,25 +591,25 @@ impl std::fmt::Debug for Scratch {
 }
 
 impl Scratch {
-    /// Makes room for `t` tokens (never shrinks).
-    fn reserve(&mut self, c: &Config, t: usize) {
+    /// Makes room for `t` tokens (never shrinks); an error, and no change,
+    /// if the memory is not there.
+    fn reserve(&mut self, c: &Config, t: usize) -> Result<()> {
         if t <= self.tokens {
-            return;
+            return Ok(());
         }
-        self.tokens = t;
-        let size = |width: usize| vec![0.0; t * width];
-        self.x = size(c.hidden_size);
-        self.h = size(c.hidden_size);
-        self.q = size(c.q_dim());
-        self.k = size(c.kv_dim());
-        self.v = size(c.kv_dim());
-        self.att = size(c.q_dim());
-        self.gate = size(c.intermediate_size);
-        self.up = size(c.intermediate_size);
-        self.cos = size(c.head_dim / 2);
-        self.sin = size(c.head_dim / 2);
+        const WHAT: &str = "a forward pass's buffers";
+        let size = |width: usize| alloc::product(&[t, width], WHAT).and_then(|n| alloc::zeroed(n, WHAT));
+        let (x, h) = (size(c.hidden_size)?, size(c.hidden_size)?);
+        let (q, k, v, att) = (size(c.q_dim())?, size(c.kv_dim())?, size(c.kv_dim())?, size(c.q_dim())?);
+        let (gate, up) = (size(c.intermediate_size)?, size(c.intermediate_size)?);
+        let (cos, sin) = (size(c.head_dim / 2)?, size(c.head_dim / 2)?);
+        *self = Scratch { tokens: t, x, h, q, k, v, att, gate, up, cos, sin, ..std::mem::take(self) };
+        Ok(())
     }
 }
+
+/// What the logits buffer is called in an allocation error.
+const LOGITS: &str = "the logits";
 
 /// One sequence driven alone: its KV cache and a forward pass's buffers.
 #[derive(Debug)]

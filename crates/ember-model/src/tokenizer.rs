@@ -202,7 +202,22 @@ impl ChatTemplate {
         if !tools.is_empty() {
             ctx.insert("tools".into(), Value::from_serialize(tools));
         }
-        tmpl.render(ctx).map_err(|e| Error::Template(describe(&e)))
+        // minijinja panics on a few inputs (`""[::-1]` indexes an empty
+        // string, 2.24): the template comes from a model file and the
+        // messages from a user, so a panic is caught and said as an error.
+        // Rendering mutates nothing the environment keeps.
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tmpl.render(ctx)));
+        match rendered {
+            Ok(r) => r.map_err(|e| Error::Template(describe(&e))),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(Error::Template(format!("the template engine panicked rendering this conversation: {what}")))
+            }
+        }
     }
 }
 

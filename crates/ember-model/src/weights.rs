@@ -11,7 +11,8 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The safetensors metadata key that marks `name` as quantized by ember: its
@@ -35,8 +36,10 @@ pub fn safetensors_dtype(t: WeightType) -> String {
 /// Bytes that live as long as any tensor borrowing them.
 enum Storage {
     Mapped(Mmap),
-    /// A copy made only when a tensor in the file is misaligned for its type.
-    /// `u32` elements keep it 4-byte aligned.
+    /// A copy made only when a tensor in the file is misaligned for its type
+    /// (each tensor at an aligned place of it: [`aligned_copy`]), or a
+    /// quantized matrix. `u32` elements keep it 4-byte aligned, which every
+    /// weight type's block needs at most.
     Owned(Vec<u32>),
 }
 
@@ -179,6 +182,59 @@ struct Entry {
     shape: Vec<usize>,
     start: usize,
     len: usize,
+    /// Whether the model asked for it ([`TensorStore::unused`]).
+    used: AtomicBool,
+}
+
+impl Entry {
+    fn new(
+        file: usize,
+        stored_name: Option<String>,
+        dtype: std::result::Result<WeightType, String>,
+        shape: Vec<usize>,
+        start: usize,
+        len: usize,
+    ) -> Entry {
+        Entry { file, stored_name, dtype, shape, start, len, used: AtomicBool::new(false) }
+    }
+}
+
+/// Alignment of each tensor in an [`aligned_copy`]: what a `u32` buffer
+/// guarantees, and at least what every weight type's block needs
+/// (`alignment_covers_every_type`).
+const COPY_ALIGN: usize = std::mem::align_of::<u32>();
+
+/// The tensors `entries` of `map`, each copied to an aligned place of one
+/// owned buffer (their `start`s updated to it): for a file whose data is not
+/// aligned for its types (a header of odd length, or safetensors' unaligned
+/// offsets). Copying the whole file instead would keep the misalignment.
+/// The copy is the size of the tensors: no more than the file.
+fn aligned_copy<'a>(map: &[u8], entries: impl Iterator<Item = &'a mut Entry>) -> Storage {
+    let mut entries: Vec<&mut Entry> = entries.collect();
+    entries.sort_by_key(|e| e.start);
+    let mut places = Vec::with_capacity(entries.len());
+    let mut end = 0usize;
+    for e in &entries {
+        let at = end.next_multiple_of(COPY_ALIGN);
+        places.push(at);
+        end = at + e.len;
+    }
+    let mut owned = vec![0u32; end.div_ceil(4)];
+    let bytes = bytemuck::cast_slice_mut::<u32, u8>(&mut owned);
+    for (e, at) in entries.into_iter().zip(places) {
+        bytes[at..at + e.len].copy_from_slice(&map[e.start..e.start + e.len]);
+        e.start = at;
+    }
+    Storage::Owned(owned)
+}
+
+/// Whether a shard named in `model.safetensors.index.json` is a plain file
+/// name, so that it can only be a file of the model folder: no folder
+/// separator, no `..` or `.`, no root. (A symbolic link in the folder is
+/// followed: HuggingFace's cache is made of them.)
+fn is_plain_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    !name.contains(['/', '\\']) && matches!((parts.next(), parts.next()), (Some(Component::Normal(_)), None))
 }
 
 /// Every tensor of a model folder, by name.
@@ -216,6 +272,11 @@ impl TensorStore {
             }
             let parsed: Index =
                 serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
+            let mut mapped: Vec<(&String, &String)> = parsed.weight_map.iter().collect();
+            mapped.sort();
+            if let Some((tensor, shard)) = mapped.into_iter().find(|(_, shard)| !is_plain_file_name(shard)) {
+                return Err(Error::ShardName { path: index.clone(), tensor: tensor.clone(), shard: shard.clone() });
+            }
             let mut shards: Vec<&String> = parsed.weight_map.values().collect();
             shards.sort();
             shards.dedup();
@@ -250,11 +311,21 @@ impl TensorStore {
             // running model is outside what any mmap-based loader can defend.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
             let bad = |message: String| Error::Safetensors { path: path.clone(), message };
-            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| bad(describe(&e)))?;
+            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| bad(describe(&e, &map)))?;
             let data_start = 8 + header_len;
             let mut misaligned = false;
             let extra = meta.metadata().clone().unwrap_or_default();
-            for (name, info) in meta.tensors() {
+            let tensors = meta.tensors();
+            // Every `ember.quant.*` key names a tensor of this file.
+            let mut keys: Vec<&String> = extra.keys().collect();
+            keys.sort();
+            for key in keys {
+                if key.strip_prefix("ember.quant.").is_some_and(|name| !tensors.contains_key(name)) {
+                    return Err(bad(format!("metadata `{key}` names no tensor of this file")));
+                }
+            }
+            let mut here = Vec::with_capacity(tensors.len());
+            for (name, info) in tensors {
                 let mut shape = info.shape.clone();
                 let dtype = match (info.dtype, extra.get(&quant_key(&name))) {
                     (Dtype::U8, Some(format)) => {
@@ -264,10 +335,20 @@ impl TensorStore {
                         // Stored as [rows, bytes per row]; the logical shape
                         // is [rows, weights per row].
                         if shape.len() != 2 || shape[1] % q.block_bytes() != 0 {
-                            return Err(bad(format!("tensor `{name}`: {format} data of shape {shape:?}")));
+                            return Err(bad(format!(
+                                "tensor `{name}`: {format} data of shape {shape:?} (expected [rows, a multiple of {} bytes])",
+                                q.block_bytes()
+                            )));
                         }
                         shape[1] = shape[1] / q.block_bytes() * q.block_len();
                         Ok(q)
+                    }
+                    (other, Some(format)) => {
+                        return Err(bad(format!(
+                            "tensor `{name}` is marked `{}` = `{format}` but stored as {other:?}; ember's quantized \
+                             blocks are stored as U8 (a corrupt or edited file?)",
+                            quant_key(&name)
+                        )));
                     }
                     // Float types carry their safetensors name (F32, BF16,
                     // F16); anything else is only an error if the model asks
@@ -283,14 +364,15 @@ impl TensorStore {
                 if entries.contains_key(&name) {
                     return Err(bad(format!("tensor `{name}` appears in more than one file")));
                 }
-                entries.insert(name, Entry { file: i, stored_name: None, dtype, shape, start, len: b - a });
+                here.push(name.clone());
+                entries.insert(name, Entry::new(i, None, dtype, shape, start, b - a));
             }
             let storage = if misaligned {
-                // Rare (writers pad the header to 8 bytes): copy the file once
-                // into aligned memory rather than read unaligned floats.
-                let mut owned = vec![0u32; map.len().div_ceil(4)];
-                bytemuck::cast_slice_mut::<u32, u8>(&mut owned)[..map.len()].copy_from_slice(&map);
-                Storage::Owned(owned)
+                // Rare (writers pad the header to 8 bytes and align every
+                // tensor): copy the tensors into aligned memory rather than
+                // read unaligned floats.
+                let mut mine: std::collections::HashSet<&String> = here.iter().collect();
+                aligned_copy(&map, entries.iter_mut().filter(|(n, _)| mine.remove(n)).map(|(_, e)| e))
             } else {
                 Storage::Mapped(map)
             };
@@ -311,23 +393,14 @@ impl TensorStore {
             let dtype = t.ty.weight_type().ok_or_else(|| t.ty.name().to_string());
             let start = (g.header.data_start + t.offset) as usize;
             misaligned |= dtype.as_ref().is_ok_and(|d| !start.is_multiple_of(d.align()));
-            let entry = Entry {
-                file: 0,
-                stored_name: Some(t.name.clone()),
-                dtype,
-                shape: t.shape(),
-                start,
-                len: t.size as usize,
-            };
+            let entry = Entry::new(0, Some(t.name.clone()), dtype, t.shape(), start, t.size as usize);
             if entries.insert(hf.clone(), entry).is_some() {
                 return Err(Error::Gguf { path: g.path.clone(), message: format!("two tensors are both `{hf}`") });
             }
         }
         let storage = if misaligned {
             // Only with a `general.alignment` below a type's own alignment.
-            let mut owned = vec![0u32; g.map.len().div_ceil(4)];
-            bytemuck::cast_slice_mut::<u32, u8>(&mut owned)[..g.map.len()].copy_from_slice(&g.map);
-            Storage::Owned(owned)
+            aligned_copy(&g.map, entries.values_mut())
         } else {
             Storage::Mapped(g.map)
         };
@@ -335,7 +408,7 @@ impl TensorStore {
     }
 
     /// A tensor's name in the file, for messages.
-    fn display_name(&self, name: &str) -> String {
+    pub(crate) fn display_name(&self, name: &str) -> String {
         match self.entries.get(name).and_then(|e| e.stored_name.clone()) {
             Some(n) => n,
             None if self.gguf => crate::gguf::gguf_name(name),
@@ -351,6 +424,20 @@ impl TensorStore {
     /// Whether a tensor exists.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+    }
+
+    /// The tensors never asked for ([`TensorStore::get`]), sorted: after a
+    /// model is taken from the store, those it does not use.
+    pub fn unused(&self) -> Vec<&str> {
+        let mut names: Vec<&str> =
+            self.entries.iter().filter(|(_, e)| !e.used.load(Ordering::Relaxed)).map(|(n, _)| n.as_str()).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// The file that holds tensor `name` (the index or GGUF file if none does).
+    pub(crate) fn file_of(&self, name: &str) -> &Path {
+        self.entries.get(name).map_or(&self.origin, |e| &self.files[e.file].0)
     }
 
     fn path_of(&self, e: &Entry) -> PathBuf {
@@ -373,6 +460,7 @@ impl TensorStore {
             .entries
             .get(name)
             .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), name: self.display_name(name) })?;
+        e.used.store(true, Ordering::Relaxed);
         let dtype = match &e.dtype {
             Ok(d) => *d,
             Err(ty) if self.gguf => {
@@ -399,8 +487,16 @@ impl TensorStore {
     }
 }
 
-fn describe(e: &safetensors::SafeTensorError) -> String {
+/// safetensors' error in words; for a tensor whose shape and dtype disagree
+/// with its data offsets (which safetensors does not name), `map` is read
+/// again to say which.
+fn describe(e: &safetensors::SafeTensorError, map: &[u8]) -> String {
     use safetensors::SafeTensorError as E;
+    if matches!(e, E::TensorInvalidInfo | E::MisalignedSlice | E::ValidationOverflow) {
+        if let Some(m) = explain_sizes(map) {
+            return m;
+        }
+    }
     match e {
         E::HeaderTooSmall => "file is too small to hold a safetensors header".into(),
         E::HeaderTooLarge => "header length is larger than allowed (corrupt file?)".into(),
@@ -408,6 +504,40 @@ fn describe(e: &safetensors::SafeTensorError) -> String {
         E::MetadataIncompleteBuffer => "tensor data does not match the file size (truncated or corrupt)".into(),
         other => format!("{other}"),
     }
+}
+
+/// The first tensor (by name) of a safetensors header whose shape and dtype
+/// do not make the bytes of its data offsets, said so; `None` if the header
+/// does not parse or every tensor agrees.
+fn explain_sizes(map: &[u8]) -> Option<String> {
+    let n = usize::try_from(u64::from_le_bytes(map.get(..8)?.try_into().ok()?)).ok()?;
+    let header: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(map.get(8..8usize.checked_add(n)?)?).ok()?;
+    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        let Ok(info) = serde_json::from_value::<safetensors::tensor::TensorInfo>(header[name].clone()) else {
+            continue;
+        };
+        let (a, b) = info.data_offsets;
+        let (shape, dtype) = (&info.shape, info.dtype);
+        let bits = shape.iter().try_fold(dtype.bitsize(), |n, &d| n.checked_mul(d));
+        match bits {
+            None => return Some(format!("tensor `{name}`: shape {shape:?} of {dtype:?} overflows")),
+            Some(bits) if bits % 8 != 0 => {
+                return Some(format!("tensor `{name}`: shape {shape:?} of {dtype:?} is not a whole number of bytes"))
+            }
+            Some(bits) if b.checked_sub(a) != Some(bits / 8) => {
+                return Some(format!(
+                    "tensor `{name}`: shape {shape:?} of {dtype:?} is {} bytes, but its data_offsets [{a}, {b}] {}",
+                    bits / 8,
+                    b.checked_sub(a).map_or("are reversed".into(), |n| format!("hold {n}"))
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    None
 }
 
 /// Writes a safetensors file: `tensors` as `(name, dtype, shape, bytes)` with
@@ -441,16 +571,43 @@ pub fn write_safetensors(
     }
     let tmp = path.with_extension("safetensors.tmp");
     let io = |e| Error::io(&tmp, e);
-    let mut f = std::io::BufWriter::new(File::create(&tmp).map_err(io)?);
-    f.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
-    f.write_all(&head).map_err(io)?;
-    let mut at = 0usize;
-    for (start, bytes) in spans {
-        f.write_all(&vec![0u8; start - at]).map_err(io)?;
-        f.write_all(bytes).map_err(io)?;
-        at = start + bytes.len();
+    let write = || -> Result<()> {
+        let mut f = std::io::BufWriter::new(File::create(&tmp).map_err(io)?);
+        f.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
+        f.write_all(&head).map_err(io)?;
+        let mut at = 0usize;
+        for (start, bytes) in spans {
+            f.write_all(&vec![0u8; start - at]).map_err(io)?;
+            f.write_all(bytes).map_err(io)?;
+            at = start + bytes.len();
+        }
+        f.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    };
+    // A full disk (or any failure) leaves no temporary file behind.
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_covers_every_type() {
+        for t in WeightType::ALL {
+            assert!(t.align() <= COPY_ALIGN, "{t} needs {}-byte alignment", t.align());
+        }
     }
-    f.flush().map_err(io)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+
+    #[test]
+    fn shard_names_are_plain_file_names() {
+        for ok in ["model-00001-of-00002.safetensors", "a", "..a", "a..b"] {
+            assert!(is_plain_file_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../a", "/etc/passwd", "a/b", "a\\b", "./a", "a/"] {
+            assert!(!is_plain_file_name(bad), "{bad}");
+        }
+    }
 }

@@ -352,7 +352,7 @@ fn quantize_writes_a_gguf_that_loads_as_the_quantized_model() {
     let Some(dir) = ember_model::default_model_dir() else { return };
     let Some(_) = present(dir.join("model.safetensors")) else { return };
     let mut m = ember_model::advanced::load_qwen2(&dir).unwrap();
-    m.quantize(&ember_model::WeightType::Int4.into());
+    m.quantize(&ember_model::WeightType::Int4.into()).unwrap();
     let store = TensorStore::open_dir(&dir).unwrap();
     let out = common::Scratch::new("quantize-gguf");
     let path = out.path().join("int4.gguf");

@@ -70,7 +70,7 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
         let float = load_qwen2(&dir).unwrap();
         for q in [WeightType::Int8, WeightType::Int4] {
             let mut m = load_qwen2(&dir).unwrap();
-            m.quantize(&q.into());
+            m.quantize(&q.into()).unwrap();
             assert_eq!(m.layers[0].self_attn.q_proj.weight.dtype, q, "{variant}");
             let want = logits(&dequantized(&m, &dir), &r.ids);
             // Batched prefill at exact precision computes with the
@@ -109,7 +109,7 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
 #[test]
 fn int4_keeps_the_chosen_matrices_at_int8() {
     let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
-    m.quantize(&WeightType::Int4.into());
+    m.quantize(&WeightType::Int4.into()).unwrap();
     let l = &m.layers[0];
     let (a, f) = (&l.self_attn, &l.mlp);
     assert_eq!(a.q_proj.weight.dtype, WeightType::Int4);
@@ -123,9 +123,28 @@ fn int4_keeps_the_chosen_matrices_at_int8() {
     assert_eq!(m.lm_head.dtype, WeightType::Int8);
     // A policy keeping nothing at INT8 rounds every matrix to INT4.
     let mut all4 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
-    all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] });
+    all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] }).unwrap();
     assert_eq!(all4.layers[0].mlp.down_proj.weight.dtype, WeightType::Int4);
     assert_eq!(all4.lm_head.dtype, WeightType::Int4);
+}
+
+/// `--quant int4` on INT8 weights (or the other way) kept them and reported
+/// the new type (issue 15): now an error naming a tensor, and nothing changes.
+#[test]
+fn quantizing_quantized_weights_to_another_type_is_an_error() {
+    for (first, then) in [(WeightType::Int8, WeightType::Int4), (WeightType::Int4, WeightType::Int8)] {
+        let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+        m.quantize(&first.into()).unwrap();
+        let before: Vec<WeightType> = m.layers[0].matrices().iter().map(|p| p.weight.dtype).collect();
+        let e = m.quantize(&then.into()).unwrap_err();
+        assert!(matches!(e, ember_model::Error::AlreadyQuantized { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("model.layers.0.") && text.contains(then.name()), "{text}");
+        let after: Vec<WeightType> = m.layers[0].matrices().iter().map(|p| p.weight.dtype).collect();
+        assert_eq!(before, after, "nothing changed");
+        // The same policy again is fine and changes nothing.
+        m.quantize(&first.into()).unwrap();
+    }
 }
 
 #[test]
@@ -135,7 +154,7 @@ fn a_written_quantized_folder_loads_back_identically() {
         let src = fixtures().join(variant);
         for q in [WeightType::Int8, WeightType::Int4] {
             let mut m = load_qwen2(&src).unwrap();
-            m.quantize(&q.into());
+            m.quantize(&q.into()).unwrap();
             let out = Scratch::new("quantized");
             let store = TensorStore::open_dir(&src).unwrap();
             ember_model::advanced::quantize::write_folder(&src, &store, &m, out.path()).unwrap();
@@ -145,7 +164,7 @@ fn a_written_quantized_folder_loads_back_identically() {
             assert_eq!(logits(&back, &r.ids), logits(&m, &r.ids), "{variant} {}", q.name());
             // Quantizing an already quantized folder changes nothing.
             let mut again = load_qwen2(out.path()).unwrap();
-            again.quantize(&q.into());
+            again.quantize(&q.into()).unwrap();
             assert_eq!(logits(&again, &r.ids), logits(&m, &r.ids));
         }
     }
@@ -172,7 +191,7 @@ fn edit_header(file: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)
 fn bad_quantized_files_are_clear_errors() {
     let src = fixtures().join("tiny-tied");
     let mut m = load_qwen2(&src).unwrap();
-    m.quantize(&WeightType::Int8.into());
+    m.quantize(&WeightType::Int8.into()).unwrap();
     let name = "model.layers.0.mlp.up_proj.weight";
     for (what, edit, needle) in [
         (
@@ -229,7 +248,7 @@ fn evaluation_against_itself_and_a_quantized_copy() {
     assert!(own.ppl.is_finite() && own.ppl > 1.0);
     assert_eq!((own.kld_mean, own.top1), (0.0, 1.0));
     let mut q = load_qwen2(&dir).unwrap();
-    q.quantize(&WeightType::Int4.into());
+    q.quantize(&WeightType::Int4.into()).unwrap();
     let vs = eval::evaluate(&q, Some(&base), &tokens, 16, |_, _| {}).unwrap();
     assert!((vs.base_ppl - own.ppl).abs() < 1e-9 * own.ppl);
     assert!(vs.kld_mean > 0.0 && vs.kld_p99 >= vs.kld_mean && vs.top1 <= 1.0);
@@ -263,7 +282,7 @@ fn writing_a_quantized_folder_never_touches_the_source() {
     }
     let before = snapshot(&src);
     let mut m = load_qwen2(&src).unwrap();
-    m.quantize(&WeightType::Int8.into());
+    m.quantize(&WeightType::Int8.into()).unwrap();
     let store = TensorStore::open_dir(&src).unwrap();
     let write = |out: &std::path::Path| ember_model::advanced::quantize::write_folder(&src, &store, &m, out);
 

@@ -135,14 +135,14 @@ fn a_forked_prefix_continues_like_a_fresh_run() {
     let want = generate(&mut whole, prompt.clone(), 0);
     let held = whole.tokens().to_vec();
     for k in [1, 3, prompt.len() - 1] {
-        let mut fork = whole.fork_prefix(k);
+        let mut fork = whole.fork_prefix(k).unwrap();
         assert_eq!(fork.tokens(), &prompt[..k]);
         assert!(fork.pending().is_empty());
         assert_eq!(generate(&mut fork, prompt[k..].to_vec(), k), want, "fork at {k}");
     }
     assert_eq!(whole.tokens(), &held[..], "the source is unchanged");
     // Past what is cached, a fork holds all of it.
-    assert_eq!(whole.fork_prefix(10_000).tokens(), &held[..]);
+    assert_eq!(whole.fork_prefix(10_000).unwrap().tokens(), &held[..]);
 }
 
 /// `advance` cuts a long prompt into passes while the other sequences keep

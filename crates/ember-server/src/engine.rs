@@ -303,11 +303,16 @@ impl Scheduler {
                 ctx.rewind(n);
                 (ctx, n)
             }
-            // A shorter shared prefix: copy it, keep the entry.
+            // A shorter shared prefix: copy it, keep the entry. (Without the
+            // memory for the copy, start afresh: the forward pass then says
+            // what it could not allocate.)
             Some((i, n)) => {
                 self.clock += 1;
                 self.kept[i].last_used = self.clock;
-                (self.kept[i].ctx.fork_prefix(n), n)
+                match self.kept[i].ctx.fork_prefix(n) {
+                    Ok(ctx) => (ctx, n),
+                    Err(_) => (Context::new(self.model.decoder().new_cache(self.limits.context)), 0),
+                }
             }
             None => (Context::new(self.model.decoder().new_cache(self.limits.context)), 0),
         };
