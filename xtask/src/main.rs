@@ -4,6 +4,8 @@
 mod convert;
 mod e2e;
 mod fetch;
+mod fleet;
+mod fuzz;
 mod library;
 mod load;
 mod parity;
@@ -31,15 +33,29 @@ tasks:
                             client and curl (scripts/serve_e2e.py, pinned venv made here)
   load [--url http://HOST:PORT] [--clients 1,4,8] [--max-tokens N] [--system-tokens N]
        [--temperature T] [--requests N] [--rounds N] [--api-key KEY] [--json]
+       [--conversations N [--turns N] [--session conversation|request|off] [--stream-share F] [--think-ms MS] [--seconds S]]
                             a bounded load test of an OpenAI-compatible server: concurrent
-                            streaming chats, aggregate tok/s and time to first token
+                            streaming chats, aggregate tok/s and time to first token; with
+                            --conversations, multi-turn conversations (X-Session-Id each,
+                            streamed and whole replies mixed): completed, failed, retried,
+                            cached share of later turns
+  fleet [--replicas 3] [--conversations 12] [--turns 3] [--clients 6] [--max-tokens 12]
+        [--kill-after S] [--seconds 240] [--json] [--keep]
+                            replicas of `ember serve` behind nginx (deploy/nginx/ember.conf) on
+                            127.0.0.1: affinity against none, a replica SIGKILLed and one
+                            SIGTERMed mid-load and restarted; fails unless nothing is lost
+  fuzz [--list] [--target NAME|all] [--time SECONDS] [--cases N] [--seed S] [--debug]
+                            the fuzz targets (hostile safetensors, index, configs, quantized
+                            metadata, GGUF, tokenizer input, chat messages, server bodies, CLI
+                            arguments): no panic, no abort, no allocation past the named bound;
+                            10000 cases each by default, or SECONDS each
   readme                    the README's library example in a fresh `cargo new` project
                             depending on ember-model by path, run on the real model
   package                   `cargo package` of the three library crates, and the packaged
                             ember-sample and ember-model tested from their .crate files
   test                      the whole suite: fetch, `cargo test --workspace` under every
-                            instruction-set tier this CPU has, then parity, e2e,
-                            serve-e2e, readme and package
+                            instruction-set tier this CPU has, the fuzz targets, then
+                            parity, e2e, serve-e2e, fleet, readme and package
   help                      this text
 ";
 
@@ -55,6 +71,8 @@ fn main() -> ExitCode {
         "e2e" => e2e::run(rest),
         "serve-e2e" => serve_e2e::run(rest),
         "load" => load::run(rest),
+        "fleet" => fleet::run(rest),
+        "fuzz" => fuzz::run(rest),
         "readme" => library::readme(rest),
         "package" => library::package(rest),
         "test" => test::run(rest),

@@ -21,7 +21,7 @@ pub fn run(args: &[String]) -> Result<()> {
         let found = Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
         ensure!(found, "`{tool}` not found on PATH; serve-e2e needs it");
     }
-    let python = venv()?;
+    let python = venv("scripts/serve-requirements.txt", "serve")?;
     let ember = crate::build_ember()?;
     let status = Command::new(&python)
         .arg(crate::root().join("scripts/serve_e2e.py"))
@@ -35,18 +35,20 @@ pub fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// The virtual environment with the pinned client, made once per set of pins.
-fn venv() -> Result<PathBuf> {
-    let reqs = crate::root().join("scripts/serve-requirements.txt");
+/// A virtual environment with the packages pinned in `requirements` (a
+/// path from the workspace root), made once per set of pins under
+/// `~/.cache/ember-venvs/NAME-<hash of the pins>`; returns its python.
+pub fn venv(requirements: &str, name: &str) -> Result<PathBuf> {
+    let reqs = crate::root().join(requirements);
     let pins = std::fs::read(&reqs).with_context(|| format!("reading {}", reqs.display()))?;
     let hash: String = Sha256::digest(&pins).iter().take(6).map(|b| format!("{b:02x}")).collect();
     let home = std::env::var_os("HOME").context("HOME is not set")?;
-    let dir = Path::new(&home).join(".cache/ember-venvs").join(format!("serve-{hash}"));
+    let dir = Path::new(&home).join(".cache/ember-venvs").join(format!("{name}-{hash}"));
     let python = dir.join("bin/python");
     if dir.join(".complete").is_file() {
         return Ok(python);
     }
-    eprintln!("xtask serve-e2e: making a virtual environment in {}", dir.display());
+    eprintln!("xtask: making a virtual environment in {}", dir.display());
     let _ = std::fs::remove_dir_all(&dir);
     let ok = Command::new("python3").arg("-m").arg("venv").arg(&dir).status().is_ok_and(|s| s.success());
     ensure!(ok, "`python3 -m venv {}` failed (on Debian: apt-get install python3-venv)", dir.display());

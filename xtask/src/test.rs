@@ -6,11 +6,14 @@
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
 //!    said so), so every SIMD kernel and the whole model run under each;
+//!    then `cargo xtask fuzz --cases 3000 --debug`: every fuzz target a few
+//!    thousand cases (in the test profile just built: about a minute);
 //! 3. `cargo rustdoc -- -D missing-docs -D warnings` on the three library
 //!    crates (every public item documented, every intra-doc link resolving);
 //! 4. `cargo xtask parity` on the real model;
 //! 5. `cargo xtask e2e`: seeded sampling and a two-turn chat on the real model,
-//!    and `cargo xtask serve-e2e`: the server with the official openai client;
+//!    `cargo xtask serve-e2e`: the server with the official openai client,
+//!    and `cargo xtask fleet`: three replicas behind nginx, one killed;
 //! 6. `cargo xtask readme`: the README's library example in a fresh project;
 //! 7. `cargo xtask package`: the library crates packaged, and their packaged
 //!    tests run from the packages alone.
@@ -44,6 +47,8 @@ pub fn run(args: &[String]) -> Result<()> {
             bail!("cargo test --workspace failed with EMBER_ISA={tier}");
         }
     }
+    eprintln!("xtask test: the fuzz targets, 3000 cases each (`cargo xtask fuzz` runs longer)");
+    crate::fuzz::run(&["--cases".into(), "3000".into(), "--debug".into()])?;
     for krate in ["ember-kernels", "ember-sample", "ember-model"] {
         eprintln!("xtask test: every public item of {krate} documented, every doc link resolving");
         let status = Command::new(&cargo)
@@ -58,6 +63,7 @@ pub fn run(args: &[String]) -> Result<()> {
     crate::parity::run(&[])?;
     crate::e2e::run(&[])?;
     crate::serve_e2e::run(&[])?;
+    crate::fleet::run(&[])?;
     crate::library::readme(&[])?;
     crate::library::package(&[])
 }

@@ -1,5 +1,6 @@
-//! Flags shared by `ember` and `ember chat`: which model, how much context,
-//! how prompts are batched, how many threads.
+//! Flags shared by `ember`, `ember chat` and `ember serve`: which model, how
+//! much context, how prompts are batched, how many threads. Each also reads
+//! an `EMBER_*` variable (the flag wins), so an orchestrator can set them.
 
 use crate::model_dir;
 use anyhow::{bail, Context, Result};
@@ -11,29 +12,29 @@ use std::sync::Arc;
 #[derive(clap::Args, Debug)]
 pub struct RuntimeArgs {
     /// Model folder (HF layout) or GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K tensors). Default: the folder `cargo xtask fetch` fills.
-    #[arg(short, long)]
+    #[arg(short, long, env = "EMBER_MODEL")]
     pub model: Option<PathBuf>,
 
     /// Context size in tokens (prompt and output; for chat, the whole conversation).
-    #[arg(long, default_value_t = DEFAULT_CONTEXT)]
+    #[arg(long, default_value_t = DEFAULT_CONTEXT, env = "EMBER_CTX")]
     pub ctx: usize,
 
     /// Prompt tokens run through the model at once (1 = token by token).
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N", env = "EMBER_PREFILL_CHUNK")]
     pub prefill_chunk: usize,
 
     /// Worker threads (default: the number of physical CPU cores).
-    #[arg(short, long)]
+    #[arg(short, long, env = "EMBER_THREADS")]
     pub threads: Option<usize>,
 
     /// Quantize the weights at load: `int8` or `int4` (the embedding / LM
     /// head and the k, v, o and down projections stay at 8 bits with `int4`).
-    #[arg(long, value_parser = parse_quant)]
+    #[arg(long, value_parser = parse_quant, env = "EMBER_QUANT")]
     pub quant: Option<WeightType>,
 
     /// Arithmetic of the batched products (prompts): `fast` (BF16 dot
     /// products where the CPU has them) or `exact` (f32-class).
-    #[arg(long, value_parser = parse_precision, default_value = "fast")]
+    #[arg(long, value_parser = parse_precision, default_value = "fast", env = "EMBER_PRECISION")]
     pub precision: Precision,
 }
 

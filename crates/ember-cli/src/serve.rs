@@ -38,8 +38,15 @@ pub struct Args {
     #[arg(long, default_value_t = 64, env = "EMBER_MAX_QUEUE")]
     max_queue: usize,
 
-    /// After SIGTERM or Ctrl-C, seconds the requests in flight may take to
-    /// finish before the server exits.
+    /// After SIGTERM or Ctrl-C, seconds the listener stays open (and serves)
+    /// while /health already answers 503 draining: the time a balancer or
+    /// Kubernetes needs to stop sending requests here (0: close at once, so
+    /// new connections are refused and a proxy retries them elsewhere).
+    #[arg(long, default_value_t = 0.0, value_name = "SECONDS", env = "EMBER_DRAIN_DELAY")]
+    drain_delay: f64,
+
+    /// Once the listener has closed, seconds the requests in flight may take
+    /// to finish before the server exits.
     #[arg(long, default_value_t = 30, value_name = "SECONDS", env = "EMBER_SHUTDOWN_GRACE")]
     shutdown_grace: u64,
 
@@ -75,6 +82,9 @@ pub fn run(args: Args) -> Result<()> {
         Some(b) => b,
         None => args.parallel.checked_mul(context).context("--parallel × --ctx overflows")?,
     };
+    if !(0.0..=3600.0).contains(&args.drain_delay) {
+        bail!("--drain-delay must be between 0 and 3600 seconds");
+    }
     let config = ember_server::Config {
         addr: SocketAddr::new(args.host, args.port),
         model_id,
@@ -84,6 +94,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_chunk: args.runtime.prefill_chunk,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_queue: args.max_queue,
+        drain_delay: std::time::Duration::from_secs_f64(args.drain_delay),
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
     };
     let runtime = args.runtime;

@@ -14,7 +14,7 @@ use axum::Router;
 use ember_model::{Message, Model, StopReason, Token};
 use serde_json::{json, Value};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
@@ -26,6 +26,9 @@ pub const BODY_LIMIT: usize = 8 << 20;
 pub struct AppState {
     /// Set once the model is loaded (503 before).
     pub ready: OnceLock<Ready>,
+    /// Set on SIGTERM: `/health` answers 503 so balancers stop sending
+    /// requests here, while those in flight finish.
+    pub draining: AtomicBool,
     /// The model's id in `/v1/models` and responses.
     pub model_id: String,
     /// SHA-256 of the API key, if one is required.
@@ -61,6 +64,7 @@ pub fn router(state: Shared) -> Router {
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/health", get(health))
+        .route("/health/live", get(live))
         .route("/metrics", get(metrics))
         .merge(v1)
         .fallback(not_found)
@@ -136,11 +140,21 @@ async fn not_found(req: Request) -> Response {
     .into_response()
 }
 
+/// Readiness: 200 `ok` when this replica should get requests; 503
+/// `loading` before the model is loaded and `draining` after SIGTERM.
 async fn health(State(s): State<Shared>) -> Response {
-    match s.ready.get() {
-        Some(_) => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "loading"}))).into_response(),
-    }
+    let status = match (s.ready.get(), s.draining.load(Ordering::SeqCst)) {
+        (_, true) => "draining",
+        (None, false) => "loading",
+        (Some(_), false) => return (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": status}))).into_response()
+}
+
+/// Liveness: 200 whenever the process answers at all (loading, ready or
+/// draining); an orchestrator restarts the replica only when this fails.
+async fn live() -> Response {
+    (StatusCode::OK, axum::Json(json!({"status": "live"}))).into_response()
 }
 
 async fn metrics(State(s): State<Shared>) -> Response {

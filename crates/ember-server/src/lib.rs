@@ -5,8 +5,8 @@
 //! cache.
 //!
 //! - [`http`]: the routes (`/v1/chat/completions`, `/v1/completions`,
-//!   `/v1/models`, `/health`, `/metrics`), API keys, request ids, and the
-//!   replies as one JSON body or server-sent events;
+//!   `/v1/models`, `/health`, `/health/live`, `/metrics`), API keys, request
+//!   ids, and the replies as one JSON body or server-sent events;
 //! - [`api`]: OpenAI's wire format, validated into a prompt and
 //!   [`ember_model::GenerateOptions`], and its error shape;
 //! - [`engine`]: the scheduler thread that steps every running sequence in
@@ -31,6 +31,7 @@ use http::AppState;
 use metrics::Metrics;
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// How to serve.
@@ -52,7 +53,12 @@ pub struct Config {
     pub api_key: Option<String>,
     /// Requests that may wait for a slot (more get 503).
     pub max_queue: usize,
-    /// After SIGTERM or Ctrl-C, how long requests in flight may take to
+    /// After SIGTERM or Ctrl-C, how long the listener stays open (serving
+    /// as usual) while `/health` already says `draining`: the time a load
+    /// balancer that polls `/health`, or Kubernetes removing the endpoint,
+    /// needs to stop sending new requests here.
+    pub drain_delay: std::time::Duration,
+    /// After the listener closes, how long requests in flight may take to
     /// finish before the server exits anyway.
     pub shutdown_grace: std::time::Duration,
 }
@@ -63,12 +69,29 @@ pub(crate) fn digest(key: &str) -> [u8; 32] {
 
 /// Listens on `config.addr` at once (`/health` says 503 while loading),
 /// loads the model with `load` on another thread, then serves until Ctrl-C
-/// or SIGTERM, finishing the requests in flight. `on_listening` is called
+/// or SIGTERM and drains (see [`serve_until`]). `on_listening` is called
 /// with the bound address (the port may have been 0).
 pub fn serve(
     config: Config,
     load: impl FnOnce() -> Result<Arc<Model>> + Send + 'static,
     on_listening: impl FnOnce(SocketAddr),
+) -> Result<()> {
+    serve_until(config, load, on_listening, shutdown_signal())
+}
+
+/// [`serve`], draining when `stop` completes instead of on a signal.
+///
+/// Draining: `/health` answers 503 `{"status":"draining"}` at once (and
+/// `/health/live` still 200) while the listener stays open and serves for
+/// `drain_delay`; then the listener closes, so new connections are refused
+/// and a load balancer sends them to another replica, idle keep-alive
+/// connections are closed, and the requests in flight get `shutdown_grace`
+/// to finish before this returns.
+pub fn serve_until(
+    config: Config,
+    load: impl FnOnce() -> Result<Arc<Model>> + Send + 'static,
+    on_listening: impl FnOnce(SocketAddr),
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     if config.parallel == 0 {
         bail!("--parallel must be at least 1");
@@ -100,6 +123,7 @@ pub fn serve(
         let metrics = Arc::new(Metrics::new());
         let state = Arc::new(AppState {
             ready: OnceLock::new(),
+            draining: AtomicBool::new(false),
             model_id: config.model_id.clone(),
             key_digest: config.api_key.as_deref().map(digest),
             max_queue: config.max_queue,
@@ -134,11 +158,14 @@ pub fn serve(
         });
         let failure = Arc::new(std::sync::Mutex::new(None));
         let f = Arc::clone(&failure);
-        // Stopping: a signal (or a failed load) closes the listener, and the
-        // requests in flight get `shutdown_grace` to finish.
+        // Stopping: `stop` (a signal) turns /health to draining and, after
+        // the drain delay, closes the listener; a failed load closes it at
+        // once. Then the requests in flight get `shutdown_grace` to finish.
         let stopping = Arc::new(tokio::sync::Notify::new());
         let notify = Arc::clone(&stopping);
-        let stop = async move {
+        let (drain_delay, grace) = (config.drain_delay, config.shutdown_grace);
+        let st = Arc::clone(&state);
+        let shutdown = async move {
             let load_failed = async {
                 match failed_rx.await {
                     Ok(e) => *f.lock().unwrap_or_else(|p| p.into_inner()) = Some(e),
@@ -147,13 +174,21 @@ pub fn serve(
                 }
             };
             tokio::select! {
-                _ = shutdown_signal() => {},
+                _ = stop => {
+                    st.draining.store(true, Ordering::SeqCst);
+                    tracing::info!(
+                        "draining: /health answers 503 draining; the listener closes in {:.1} s, then requests in flight have {} s to finish",
+                        drain_delay.as_secs_f64(),
+                        grace.as_secs()
+                    );
+                    tokio::time::sleep(drain_delay).await;
+                    tracing::info!("listener closed: finishing the requests in flight");
+                },
                 _ = load_failed => {},
             }
             notify.notify_one();
         };
-        let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(stop);
-        let grace = config.shutdown_grace;
+        let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown);
         tokio::select! {
             r = server => r.context("serving HTTP")?,
             _ = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
@@ -186,5 +221,5 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    tracing::info!("shutting down: finishing the requests in flight");
+    tracing::info!("shutting down");
 }

@@ -1,6 +1,6 @@
 //! The server over real sockets, on the tiny test model: the routes, the
 //! error shapes and statuses, streaming, the prefix cache, the queue limit,
-//! and a client leaving mid-stream. (The real model with the official
+//! a client leaving mid-stream, and draining on a stop. (The real model with the official
 //! `openai` client is `cargo xtask serve-e2e`.)
 
 use ember_model::Model;
@@ -26,6 +26,7 @@ fn start(parallel: usize, context: usize, max_queue: usize, key: Option<&str>) -
         prefill_chunk: 16,
         api_key: key.map(str::to_string),
         max_queue,
+        drain_delay: Duration::ZERO,
         shutdown_grace: Duration::from_secs(5),
     };
     let (tx, rx) = mpsc::channel();
@@ -286,4 +287,94 @@ fn a_full_queue_refuses_with_retry_after_and_leaving_clients_are_cancelled() {
     }
     let (status, _, reply) = post(a, "/v1/chat/completions", None, &chat("hello !", 2));
     assert_eq!(status, 200, "{reply}");
+}
+
+#[test]
+fn a_stop_drains_health_first_then_the_listener_and_finishes_requests_in_flight() {
+    let config = ember_server::Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        model_id: "tiny".into(),
+        parallel: 2,
+        context: 256,
+        kv_budget: 512,
+        prefill_chunk: 16,
+        api_key: None,
+        max_queue: 8,
+        drain_delay: Duration::from_secs(3),
+        shutdown_grace: Duration::from_secs(10),
+    };
+    let (addr_tx, addr_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let r = ember_server::serve_until(
+            config,
+            || Ok(Model::builder(tiny()).threads(1).load()?),
+            move |addr| addr_tx.send(addr).unwrap(),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
+        done_tx.send(r.map_err(|e| format!("{e:#}"))).unwrap();
+    });
+    let a: SocketAddr = addr_rx.recv_timeout(Duration::from_secs(30)).expect("the server listens");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(a, "/health", None).0 != 200 {
+        assert!(Instant::now() < deadline, "the server never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(get(a, "/health/live", None).0, 200);
+
+    // A request in flight when the stop comes: its head and half its body
+    // are sent, the rest only after the listener has closed.
+    let body = chat("hello !", 3).to_string();
+    let (first, second) = body.as_bytes().split_at(body.len() / 2);
+    let mut in_flight = TcpStream::connect(a).unwrap();
+    in_flight.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        in_flight,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    in_flight.write_all(first).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+
+    let stopped = Instant::now();
+    stop_tx.send(()).unwrap();
+    // Draining: readiness fails at once, liveness does not, and the listener
+    // still serves during the drain delay.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let (status, _, health) = loop {
+        let h = get(a, "/health", None);
+        if h.0 != 200 || Instant::now() > deadline {
+            break h;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status, 503, "{health}");
+    assert_eq!(serde_json::from_str::<Value>(&health).unwrap(), json!({"status": "draining"}));
+    assert_eq!(get(a, "/health/live", None).0, 200);
+    let (status, _, reply) = post(a, "/v1/chat/completions", None, &chat("hello !", 2));
+    assert_eq!(status, 200, "{reply}");
+    assert!(stopped.elapsed() < Duration::from_secs(3), "the checks outlasted the drain delay; they prove nothing");
+
+    // Then the listener closes: new connections are refused (a proxy retries
+    // them on another replica).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect_timeout(&a, Duration::from_secs(1)).is_ok() {
+        assert!(Instant::now() < deadline, "the listener stayed open");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(stopped.elapsed() >= Duration::from_millis(2900), "the listener closed before the drain delay");
+
+    // The request in flight still completes.
+    in_flight.write_all(second).unwrap();
+    let mut raw = Vec::new();
+    let _ = in_flight.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    assert!(raw.contains("\"finish_reason\""), "{raw}");
+    let r = done_rx.recv_timeout(Duration::from_secs(20)).expect("serve returns once the requests are done");
+    assert_eq!(r, Ok(()));
 }
