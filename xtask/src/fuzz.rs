@@ -22,11 +22,12 @@ use anyhow::{bail, Context, Result};
 use std::process::Command;
 use std::time::Instant;
 
-/// A target: its name, and the package, test binary and test function it is.
+/// A target: its name, and the test binary and test function it is.
 struct Target {
     name: &'static str,
-    package: &'static str,
-    /// `--test fuzz` or `--bin ember`.
+    /// `--test fuzz` or `--bin ember` (built across the workspace, so the
+    /// features are those `cargo test --workspace` built with: running a
+    /// target rebuilds nothing after it).
     binary: [&'static str; 2],
     test: &'static str,
     what: &'static str,
@@ -35,63 +36,54 @@ struct Target {
 const TARGETS: &[Target] = &[
     Target {
         name: "safetensors",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_safetensors",
         what: "model.safetensors headers (dtypes, shapes, offsets, names, metadata, length) and bytes, loaded and run",
     },
     Target {
         name: "index",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_index",
         what: "model.safetensors.index.json: shard names (.., absolute, folders), maps, any JSON",
     },
     Target {
         name: "config",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_config",
         what: "config.json and generation_config.json fields, context and prefill sizes; loaded models generate",
     },
     Target {
         name: "quant",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_quant_metadata",
         what: "ember.quant.* metadata and U8 block shapes of INT8/INT4 folders from `ember quantize`",
     },
     Target {
         name: "gguf",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_gguf",
         what: "GGUF files (BF16, Q8_0, Q4_0): metadata values, counts, lengths, tensor infos, bytes; load and run",
     },
     Target {
         name: "tokenizer",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_tokenizer",
         what: "arbitrary text, bytes and ids into encode, decode and the text stream of three tokenizers",
     },
     Target {
         name: "chat",
-        package: "ember-model",
         binary: ["--test", "fuzz"],
         test: "fuzz_chat",
         what: "messages and tools through chat templates, replies through the tool-call parser, random templates",
     },
     Target {
         name: "server",
-        package: "ember-server",
         binary: ["--test", "fuzz"],
         test: "fuzz_server_bodies",
         what: "request bodies of /v1/chat/completions and /v1/completions: parsing and validation",
     },
     Target {
         name: "cli",
-        package: "ember-cli",
         binary: ["--bin", "ember"],
         test: "fuzz::fuzz_cli",
         what: "argument vectors of every command into the parser",
@@ -145,11 +137,22 @@ pub fn run(args: &[String]) -> Result<()> {
     };
     eprintln!("xtask fuzz: {} target(s), {budget} each, profile {profile}", targets.len());
     let start = Instant::now();
+    // Build every target's binary once. Per package (`-p`) each would be
+    // built with that package's own feature set: in CI that rebuilt the
+    // crates three times over, 14 minutes against half a minute of cases.
+    let status = Command::new(&cargo)
+        .current_dir(crate::root())
+        .args(["test", "--quiet", "--profile", profile, "--workspace", "--test", "fuzz", "--bin", "ember", "--no-run"])
+        .status()
+        .context("building the fuzz targets")?;
+    if !status.success() {
+        bail!("building the fuzz targets failed");
+    }
     let mut summary = Vec::new();
     for t in targets {
         let mut cmd = Command::new(&cargo);
         cmd.current_dir(crate::root())
-            .args(["test", "--quiet", "--profile", profile, "-p", t.package])
+            .args(["test", "--quiet", "--profile", profile, "--workspace"])
             .args(t.binary)
             .args(["--", "--exact", t.test, "--nocapture", "--test-threads", "1"])
             .env("EMBER_FUZZ_CASES", cases.to_string())

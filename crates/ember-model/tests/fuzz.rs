@@ -513,12 +513,6 @@ fn field_value() -> impl Strategy<Value = Option<Value>> {
     ]
 }
 
-/// The largest prefill chunk the config target asks for: a chunk near
-/// `usize::MAX` overflows `from + chunk` in `generate::run_waiting` (a panic
-/// in debug builds; `hardening.rs`'s ignored `huge_prefill_chunk_generates`
-/// shows it), to be lifted with that fix.
-const PREFILL_CHUNK_MAX: u64 = 1 << 32;
-
 #[derive(Clone, Debug)]
 struct ConfigCase {
     /// `(field, value)`; `None` removes the field.
@@ -544,7 +538,7 @@ fn fuzz_config() {
     let edits =
         |fields: &'static [&'static str]| prop::collection::vec((prop::sample::select(fields), field_value()), 0..4);
     let size = prop_oneof![1u64..600, hostile::integer()];
-    let chunk = prop_oneof![1u64..600, hostile::integer().prop_map(|n| n.min(PREFILL_CHUNK_MAX))];
+    let chunk = prop_oneof![1u64..600, hostile::integer()];
     let strategy = (edits(CONFIG_FIELDS), edits(GENERATION_FIELDS), size, chunk).prop_map(
         |(config, generation, context, prefill_chunk)| ConfigCase { config, generation, context, prefill_chunk },
     );
