@@ -99,14 +99,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// Bytes the cache's buffers take once allocated (saturating).
-    pub fn bytes(&self) -> usize {
-        [self.layers, self.capacity, self.kv_dim, 2, std::mem::size_of::<f32>()]
-            .iter()
-            .try_fold(1usize, |p, &f| p.checked_mul(f))
-            .unwrap_or(usize::MAX)
-    }
-
     /// `(layers, kv_dim)`: the model shape the cache was made for.
     pub fn shape(&self) -> (usize, usize) {
         (self.layers, self.kv_dim)

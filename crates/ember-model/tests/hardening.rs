@@ -3,8 +3,9 @@
 //! of `testdata/tiny-chat` (3 layers, hidden 64, 4 heads of 16, 2 KV heads,
 //! vocabulary 96, BF16).
 
+use ember_model::advanced::eval::evaluate;
 use ember_model::advanced::{load_qwen2, write_safetensors, BatchToken, Qwen2, Scratch, TensorStore};
-use ember_model::{Config, Error, Model};
+use ember_model::{Config, Error, GenerateOptions, Model};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -394,4 +395,84 @@ fn a_template_that_panics_in_minijinja_is_an_error() {
     assert_eq!(t.render(&[ember_model::Message::user("ab")], false).unwrap(), "ba");
     let e = t.render(&[ember_model::Message::user("")], false).unwrap_err();
     assert!(matches!(e, Error::Template(_)) && e.to_string().contains("panicked"), "{e}");
+}
+
+// ---------------------------------------------------------------------------
+// NaN or infinite numbers in the weights are errors, never a silently
+// sampled token: generation stops with `Error::NonFinite` naming the
+// position, perplexity is an error rather than `NaN`, norms and biases are
+// refused at load.
+
+/// A copy of tiny-chat whose tensor `name` (BF16) holds `bits` everywhere.
+fn poisoned(tag: &str, name: &str, bits: u16) -> (TempDir, PathBuf) {
+    let (t, dir) = tiny_copy(tag);
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let info = &header[name];
+    assert_eq!(info["dtype"], "BF16", "{name}");
+    let [a, b] = [0, 1].map(|i| info["data_offsets"][i].as_u64().unwrap() as usize + 8 + n);
+    for w in bytes[a..b].chunks_exact_mut(2) {
+        w.copy_from_slice(&bits.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    (t, dir)
+}
+
+const BF16_NAN: u16 = 0x7fc0;
+const BF16_INF: u16 = 0x7f80;
+
+#[test]
+fn generation_stops_with_an_error_naming_the_position() {
+    for (tag, bits) in [("nan", BF16_NAN), ("inf", BF16_INF)] {
+        let (_t, dir) = poisoned(tag, "model.layers.1.mlp.down_proj.weight", bits);
+        let model = Model::load(&dir).unwrap();
+        let prompt = model.encode("the sea is blue").unwrap();
+        let mut session = model.session();
+        let mut g = session.generate(&prompt, GenerateOptions::default().max_tokens(4)).unwrap();
+        match g.next() {
+            Some(Err(Error::NonFinite { position, .. })) => {
+                assert_eq!(position, prompt.len() - 1, "the prompt's last token gave the logits")
+            }
+            other => panic!("{tag}: expected a NonFinite error, got {other:?}"),
+        }
+        let e = Error::NonFinite { position: 3, token: 7, value: f32::NAN };
+        assert!(e.to_string().contains("position 3"), "{e}");
+    }
+}
+
+#[test]
+fn perplexity_over_non_finite_logits_is_an_error() {
+    let (_t, dir) = poisoned("eval", "model.layers.0.self_attn.o_proj.weight", BF16_NAN);
+    let model = Model::load(&dir).unwrap();
+    let tokens: Vec<u32> = (0..32).map(|i| i % 90).collect();
+    match evaluate(model.decoder(), None, &tokens, 16, |_, _| {}) {
+        Err(Error::NonFinite { position, .. }) => assert_eq!(position, 8, "the first scored position of window 0"),
+        other => panic!("expected a NonFinite error, got {:?}", other.map(|r| r.ppl)),
+    }
+}
+
+#[test]
+fn finite_weights_generate_as_before() {
+    let model = Model::load(tiny_chat()).unwrap();
+    let prompt = model.encode("the sea is blue").unwrap();
+    let out: Vec<u32> = model
+        .session()
+        .generate(&prompt, GenerateOptions::default().max_tokens(5).stop_at_eos(false))
+        .unwrap()
+        .map(|t| t.unwrap().id)
+        .collect();
+    assert_eq!(out.len(), 5);
+}
+
+#[test]
+fn non_finite_norms_and_biases_are_refused_at_load() {
+    for name in ["model.layers.2.input_layernorm.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.bias"] {
+        let (_t, dir) = poisoned("load", name, BF16_INF);
+        match Model::load(&dir) {
+            Err(Error::NonFiniteWeight { name: n, index: 0, .. }) => assert_eq!(n, name),
+            other => panic!("{name}: expected NonFiniteWeight, got {:?}", other.map(|_| ())),
+        }
+    }
 }
