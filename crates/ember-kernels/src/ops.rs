@@ -10,11 +10,30 @@
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), weight.len());
     assert_eq!(x.len(), out.len());
-    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let mean_sq = sum_of_squares(x) / x.len() as f32;
     let inv = 1.0 / (mean_sq + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = w * (v * inv);
     }
+}
+
+/// `Σ x²` in sixteen interleaved partial sums, then those in order: the
+/// compiler vectorises independent lanes but not one running sum, a chain
+/// of dependent adds (RMSNorm at 896 wide, one thread, Emerald Rapids:
+/// 0.79 → 0.25 µs; it runs twice a layer on the caller while the workers
+/// wait). Lanes are also closer to the exact sum than one running f32 sum,
+/// and the order is fixed, so every tier and path gives the same bits.
+fn sum_of_squares(x: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v * v;
+        }
+    }
+    let tail = chunks.remainder().iter().map(|v| v * v).sum::<f32>();
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// Rotary position embedding tables, computed the way transformers does
@@ -201,6 +220,29 @@ mod tests {
         let inv = 1.0 / (ms + 1e-6f64).sqrt();
         for i in 0..4 {
             assert_relative_eq!(out[i] as f64, x[i] as f64 * inv * w[i] as f64, max_relative = 1e-6);
+        }
+    }
+
+    #[test]
+    fn rmsnorm_of_a_long_row_matches_the_formula_in_f64() {
+        // Longer than the sixteen lanes, with a ragged tail, and a spread of
+        // magnitudes like a residual stream's.
+        for n in [1, 15, 16, 17, 896, 903] {
+            let x: Vec<f32> =
+                (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 7 == 0 { 3.0 } else { 0.01 }).collect();
+            let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 5) as f32 * 0.25).collect();
+            let mut out = vec![0.0; n];
+            rmsnorm(&x, &w, 1e-6, &mut out);
+            let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for i in 0..n {
+                assert_relative_eq!(
+                    out[i] as f64,
+                    x[i] as f64 * inv * w[i] as f64,
+                    max_relative = 1e-6,
+                    epsilon = 1e-30
+                );
+            }
         }
     }
 
