@@ -69,6 +69,10 @@ struct Row {
     isa: String,
     /// The batched products' precision.
     precision: String,
+    /// Whether the weights were read from memory backed by huge pages
+    /// (`EMBER_HUGE_PAGES=0` reads them from the mapped file).
+    #[serde(default)]
+    huge_pages: bool,
     tok_s: f64,
     sd: f64,
     /// For tgN: weight bytes streamed per second while generating.
@@ -116,6 +120,10 @@ pub fn run(args: Args) -> Result<()> {
         model.quantize(&crate::runtime::quant_policy(q)?)?;
     }
     model.precision = args.precision;
+    // As `ember serve` and `ember chat` load models, unless
+    // `EMBER_HUGE_PAGES=0` (to measure the difference); without memory for
+    // the copy, the mapped file.
+    let huge_pages = crate::runtime::huge_pages_or(true) && model.copy_to_huge_pages().is_ok_and(|bytes| bytes > 0);
     let bytes_per_token = model.weight_bytes_per_token();
     // Every length within the model's positions, before anything is sized
     // from it.
@@ -183,6 +191,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     for r in &mut rows {
         r.precision = args.precision.name().to_string();
+        r.huge_pages = huge_pages;
     }
     print(&args, &dir, &rows, Some(bytes_per_token))
 }
@@ -232,6 +241,7 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         threads,
         isa: ember_kernels::Isa::active().name().to_string(),
         precision: String::new(),
+        huge_pages: false,
         tok_s: mean,
         sd: var.sqrt(),
         gb_s: None,
@@ -258,7 +268,11 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         None => println!("model: {name}"),
     }
     if let Some(b) = bytes_per_token {
-        println!("weights streamed per decoded token: {:.3} GB", b as f64 / 1e9);
+        let from = match rows.first().is_some_and(|r| r.huge_pages) {
+            true => "memory backed by huge pages",
+            false => "the mapped file",
+        };
+        println!("weights streamed per decoded token: {:.3} GB, from {from}", b as f64 / 1e9);
     }
     if let Some(r) = rows.first() {
         let dot = if ember_kernels::gemm_bf16::pays_off() { "used" } else { "not used (slower than f32 FMA here)" };

@@ -67,7 +67,7 @@ struct TurnJson<'a> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (model, dir) = args.runtime.load()?;
+    let (model, dir) = args.runtime.load(true)?;
     // Ctrl-C cancels the reply being generated (the token is reset each turn).
     let cancel = CancelToken::new();
     let options = GenerateOptions {

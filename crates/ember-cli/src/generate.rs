@@ -86,7 +86,7 @@ fn prompt_logits(model: &ember_model::Model, ids: &[u32]) -> Result<Vec<f32>> {
 
 pub fn run(args: Args) -> Result<()> {
     let user_prompt = args.prompt.clone().context("--prompt is required")?;
-    let (model, _) = args.runtime.load()?;
+    let (model, _) = args.runtime.load(false)?;
 
     let prompt = if args.chat {
         let mut messages = Vec::new();

@@ -70,11 +70,22 @@ pub fn quant_policy(q: WeightType) -> Result<QuantPolicy> {
     Ok(policy)
 }
 
+/// `EMBER_HUGE_PAGES=0` or `1` if set, else the command's `default`.
+pub fn huge_pages_or(default: bool) -> bool {
+    match std::env::var("EMBER_HUGE_PAGES").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => default,
+    }
+}
+
 impl RuntimeArgs {
     /// Loads the model with the library's builder, these flags its settings
     /// (`--ctx` is capped at the model's maximum there); returns it and its
-    /// folder.
-    pub fn load(&self) -> Result<(Arc<Model>, PathBuf)> {
+    /// folder. `huge_pages`: whether this command copies the weights into
+    /// huge pages ([`ember_model::ModelBuilder::huge_pages`]: worth it for a
+    /// model that runs a while), unless `EMBER_HUGE_PAGES` is `0` or `1`.
+    pub fn load(&self, huge_pages: bool) -> Result<(Arc<Model>, PathBuf)> {
         if self.prefill_chunk == 0 {
             bail!("--prefill-chunk must be at least 1");
         }
@@ -91,6 +102,7 @@ impl RuntimeArgs {
         if let Some(q) = self.quant {
             builder = builder.quantize(quant_policy(q)?);
         }
+        builder = builder.huge_pages(huge_pages_or(huge_pages));
         let model = builder.load().with_context(|| format!("loading the model in {}", dir.display()))?;
         Ok((model, dir))
     }

@@ -100,7 +100,7 @@ pub fn run(args: Args) -> Result<()> {
     let runtime = args.runtime;
     ember_server::serve(
         config.clone(),
-        move || Ok(runtime.load()?.0),
+        move || Ok(runtime.load(true)?.0),
         |addr| {
             tracing::info!(
                 "listening on http://{addr} (parallel {}, context {}, KV budget {} tokens{})",

@@ -304,7 +304,9 @@ pub mod advanced {
     };
     pub use crate::stream::TextStream;
     pub use crate::tokenizer::ChatTemplate;
-    pub use crate::weights::{quant_key, safetensors_dtype, write_safetensors, Tensor, TensorStore};
+    pub use crate::weights::{
+        quant_key, safetensors_dtype, transparent_huge_pages, write_safetensors, Tensor, TensorStore,
+    };
 
     /// What `ember bench` times: prompt processing, generation, several
     /// sequences decoding together, and the memory read bandwidth.

@@ -41,6 +41,12 @@ enum Storage {
     /// quantized matrix. `u32` elements keep it 4-byte aligned, which every
     /// weight type's block needs at most.
     Owned(Vec<u32>),
+    /// The weights copied into anonymous memory backed by huge pages
+    /// ([`copy_to_huge_pages`]), from byte `base` of the mapping on.
+    Huge {
+        map: Mmap,
+        base: usize,
+    },
 }
 
 impl Storage {
@@ -48,6 +54,7 @@ impl Storage {
         match self {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => bytemuck::cast_slice(v),
+            Storage::Huge { map, base } => &map[*base..],
         }
     }
 }
@@ -170,6 +177,93 @@ impl Tensor {
     pub fn same_data(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage) && self.start == other.start && self.len == other.len
     }
+}
+
+/// Whether the kernel backs anonymous memory with transparent huge pages
+/// when asked (`madvise(MADV_HUGEPAGE)`): its setting is `always` or
+/// `madvise`, not `never`. Linux only.
+pub fn transparent_huge_pages() -> bool {
+    cfg!(target_os = "linux")
+        && std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"))
+}
+
+/// Huge pages are 2 MiB on x86-64 (and the common arm64 setting).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Copies the bytes of `tensors` into one anonymous mapping that the kernel
+/// is asked to back with transparent huge pages, and points the tensors at
+/// the copy. Returns the bytes copied (tensors sharing data, as a tied LM
+/// head and embedding do, are copied once and keep sharing).
+///
+/// Why: decoding streams every weight once a token, and with the file's 4 KiB
+/// pages each memory stream of the mat-vec kernels crosses a page (a TLB
+/// miss, and a stop for the hardware prefetchers) every 4 KiB; a decoded
+/// token's ~100 short mat-vecs each start their streams anew. Measured on
+/// Emerald Rapids (2 cores, `avx512bf16`; one process loading the model
+/// both ways and alternating them every 32 tokens, medians of 16–30
+/// rounds): INT4 54.3 → 56.3 tok/s, INT8 41.2 → 43.2, BF16 23.4 → 24.4
+/// (+4–5%); the copy took 0.13–0.15 s for the INT4 model's 0.41 GB (once
+/// 0.8 s, when the kernel had to compact memory for the huge pages).
+///
+/// On an error (no memory for the copy) the tensors are left as they were.
+pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
+    // Where each distinct tensor goes (64-byte aligned: a cache line, more
+    // than any weight type needs), and which earlier tensor a repeat shares.
+    let mut offsets = Vec::with_capacity(tensors.len());
+    let mut total = 0usize;
+    for (i, t) in tensors.iter().enumerate() {
+        match tensors[..i].iter().position(|o| o.same_data(t)) {
+            Some(j) => offsets.push(offsets[j]),
+            None => {
+                let at = total.next_multiple_of(64);
+                total = at + t.len;
+                offsets.push(at);
+            }
+        }
+    }
+    if total == 0 {
+        return Ok(0);
+    }
+    // One huge page more, to start the copy on a huge page boundary (the
+    // kernel backs only whole, aligned 2 MiB ranges with a huge page).
+    let oom = |_| Error::OutOfMemory { what: "the weights' copy in huge pages", bytes: total + HUGE_PAGE };
+    let mut map = memmap2::MmapOptions::new().len(total + HUGE_PAGE).map_anon().map_err(oom)?;
+    #[cfg(target_os = "linux")]
+    {
+        // Only a hint: without it the copy still works, in small pages.
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
+    let base = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+    {
+        // Split the copy across the pool: it is the page faults (zeroing
+        // each huge page) and the reads from the file that take the time.
+        let dst = ember_kernels::pool::SharedMut::new(&mut map[base..base + total]);
+        let jobs: Vec<(usize, &[u8])> = tensors
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .filter(|(i, (t, _))| !tensors[..*i].iter().any(|o| o.same_data(t)))
+            .map(|(_, (t, &at))| (at, t.as_bytes()))
+            .collect();
+        ember_kernels::pool::global().run(|th, n| {
+            for &(at, src) in &jobs {
+                let (a, b) = ember_kernels::pool::share(src.len(), th, n, HUGE_PAGE);
+                if a < b {
+                    // SAFETY: distinct tensors have disjoint ranges of the copy,
+                    // and threads disjoint parts of each.
+                    unsafe { dst.range(at + a, at + b) }.copy_from_slice(&src[a..b]);
+                }
+            }
+        });
+    }
+    let map = map.make_read_only().map_err(oom)?;
+    let storage = Arc::new(Storage::Huge { map, base });
+    for (t, at) in tensors.iter_mut().zip(offsets) {
+        t.storage = storage.clone();
+        t.start = at;
+    }
+    Ok(total)
 }
 
 struct Entry {
@@ -598,6 +692,46 @@ mod tests {
     fn alignment_covers_every_type() {
         for t in WeightType::ALL {
             assert!(t.align() <= COPY_ALIGN, "{t} needs {}-byte alignment", t.align());
+        }
+    }
+
+    /// The copy into huge pages (called directly, so it runs where the
+    /// kernel offers none too) keeps every byte, keeps a tied LM head one
+    /// copy with the embedding, aligns every tensor, and the model computes
+    /// the same logits from it, for stored and for quantized-at-load weights.
+    #[test]
+    fn weights_copied_to_huge_pages_compute_the_same_bits() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-chat");
+        for quant in [None, Some(WeightType::Int8)] {
+            let mut model = crate::model::load_qwen2(&dir).unwrap();
+            if let Some(q) = quant {
+                model.quantize(&q.into()).unwrap();
+            }
+            let tokens = [1u32, 5, 9, 2, 7];
+            let before = model.new_state(16).run(&model, &tokens, true).unwrap().unwrap().to_vec();
+            let bytes = |m: &crate::qwen2::Qwen2| {
+                let mut all = vec![m.embed_tokens.as_bytes().to_vec(), m.lm_head.as_bytes().to_vec()];
+                for l in &m.layers {
+                    all.extend(l.matrices().map(|p| p.weight.as_bytes().to_vec()));
+                }
+                all
+            };
+            let (old, tied) = (bytes(&model), model.lm_head.same_data(&model.embed_tokens));
+            let mut tensors: Vec<&mut Tensor> = vec![&mut model.embed_tokens, &mut model.lm_head];
+            for l in &mut model.layers {
+                tensors.extend(l.matrices_mut().map(|p| &mut p.weight));
+            }
+            let distinct = old.iter().map(Vec::len).sum::<usize>() - if tied { old[0].len() } else { 0 };
+            let copied = copy_to_huge_pages(&mut tensors).unwrap();
+            assert!(copied >= distinct && copied < distinct + 64 * tensors.len(), "{copied} for {distinct}");
+            for t in &tensors {
+                assert!(matches!(*t.storage, Storage::Huge { .. }), "{} not in the copy", t.name);
+                assert_eq!(t.as_bytes().as_ptr() as usize % 64, 0, "{} unaligned", t.name);
+            }
+            assert_eq!(model.lm_head.same_data(&model.embed_tokens), tied, "tied weights stay one copy");
+            assert_eq!(bytes(&model), old, "{quant:?}");
+            let after = model.new_state(16).run(&model, &tokens, true).unwrap().unwrap().to_vec();
+            assert_eq!(after, before, "{quant:?}");
         }
     }
 
