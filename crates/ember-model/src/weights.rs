@@ -203,8 +203,9 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Emerald Rapids (2 cores, `avx512bf16`; one process loading the model
 /// both ways and alternating them every 32 tokens, medians of 16–30
 /// rounds): INT4 54.3 → 56.3 tok/s, INT8 41.2 → 43.2, BF16 23.4 → 24.4
-/// (+4–5%); the copy took 0.13–0.15 s for the INT4 model's 0.41 GB (once
-/// 0.8 s, when the kernel had to compact memory for the huge pages).
+/// (+4–5%). The copy took 0.13–0.15 s for the INT4 model's 0.41 GB (once
+/// 0.8 s), and 1.8 s for BF16's 0.99 GB in a one-shot run, most of it the
+/// kernel clearing fresh pages (`clear_page_erms`) on that VM.
 ///
 /// On an error (no memory for the copy) the tensors are left as they were.
 pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
