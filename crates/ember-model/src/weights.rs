@@ -212,6 +212,8 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
     // Where each distinct tensor goes (64-byte aligned: a cache line, more
     // than any weight type needs), and which earlier tensor a repeat shares.
     let mut offsets = Vec::with_capacity(tensors.len());
+    // The distinct tensors, (index, offset): what is copied.
+    let mut distinct = Vec::with_capacity(tensors.len());
     let mut total = 0usize;
     for (i, t) in tensors.iter().enumerate() {
         match tensors[..i].iter().position(|o| o.same_data(t)) {
@@ -220,6 +222,7 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
                 let at = total.next_multiple_of(64);
                 total = at + t.len;
                 offsets.push(at);
+                distinct.push((i, at));
             }
         }
     }
@@ -240,15 +243,9 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
         // Split the copy across the pool: it is the page faults (zeroing
         // each huge page) and the reads from the file that take the time.
         let dst = ember_kernels::pool::SharedMut::new(&mut map[base..base + total]);
-        let jobs: Vec<(usize, &[u8])> = tensors
-            .iter()
-            .zip(&offsets)
-            .enumerate()
-            .filter(|(i, (t, _))| !tensors[..*i].iter().any(|o| o.same_data(t)))
-            .map(|(_, (t, &at))| (at, t.as_bytes()))
-            .collect();
         ember_kernels::pool::global().run(|th, n| {
-            for &(at, src) in &jobs {
+            for &(i, at) in &distinct {
+                let src = tensors[i].as_bytes();
                 let (a, b) = ember_kernels::pool::share(src.len(), th, n, HUGE_PAGE);
                 if a < b {
                     // SAFETY: distinct tensors have disjoint ranges of the copy,
