@@ -91,7 +91,8 @@ fn bench_matmul(c: &mut Criterion) {
 /// Prefill products over INT8 and INT4 weights at both precisions on every
 /// tier the CPU has (fast: int8 activations, with `vpmaddubsw` on AVX2 and
 /// AVX-512, `vpdpbusd` on the VNNI tiers), and BF16 products for the few
-/// tokens of batched decoding (8 sequences).
+/// tokens of batched decoding (4, 8 and 16 sequences; on `amx`, 16 take
+/// `amx::few_rows`).
 fn bench_quantized_and_batched(c: &mut Criterion) {
     use ember_kernels::formats::{BlockQ4, BlockQ8, Format, Int4, Int8};
     for (rows, cols) in [(896, 896), (4864, 896), (896, 4864)] {

@@ -315,6 +315,214 @@ pub(crate) fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: 
     });
 }
 
+/// Most tokens [`few_rows`] takes: one token tile.
+pub const FEW_TOKENS: usize = TILE;
+
+/// Weight row tiles [`few_rows`] accumulates at once (48 rows): three of the
+/// eight tiles hold accumulators, two the weights (alternately), three the
+/// activation terms. (Four accumulators and one weight tile, each load
+/// waiting for the products that read the tile before: 16 sequences
+/// 177 tok/s against 192.)
+const FEW_ROW_TILES: usize = 3;
+
+/// Up to [`FEW_TOKENS`] tokens packed for [`few_rows`]: one token tile per
+/// 32-column step, its [`ACT_TERMS`] terms (the layout of [`pack`]'s first
+/// tile), of which the product uses the first `terms` (all of them: with one,
+/// f32-class accuracy given up, 16 sequences decoded 15% faster).
+pub struct FewPacked<'a> {
+    data: &'a [u16],
+    tokens: usize,
+    cols: usize,
+    terms: usize,
+}
+
+/// Packs `x (T, cols)`, `T ≤ FEW_TOKENS`, for [`few_rows`]. On the calling
+/// thread: 16 tokens of 4864 columns is 78 k values.
+pub fn pack_few<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> FewPacked<'b> {
+    let t = x.len() / cols;
+    let terms = ACT_TERMS;
+    assert!(cols.is_multiple_of(KSTEP) && x.len() == t * cols && t <= FEW_TOKENS);
+    buf.resize(cols / KSTEP * ACT_TERMS * TILE_ELEMS, 0);
+    pack_tiles(isa, x, cols, 0..1, &mut buf[..]);
+    FewPacked { data: &buf[..], tokens: t, cols, terms }
+}
+
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`FEW_TOKENS`]) over BF16
+/// weights, on the calling thread; `rows.len()` a multiple of 16.
+///
+/// Decoding several sequences at once reads every weight once per step for
+/// all of them, so this is a memory stream like a mat-vec, not a
+/// compute-bound product: each 16 × 32 weight tile is loaded once, in place,
+/// and multiplied with the one activation tile of its column step (per term),
+/// into accumulators that hold 48 rows × 16 tokens for the whole row, so
+/// nothing is stored between column steps. The f32 kernels spend about 32
+/// FMAs on 64 weights for 8 tokens, which on 2 cores of a Xeon took as long
+/// as reading them; one `tdpbf16ps` does 8192 multiply-adds. While a group
+/// of 48 rows is multiplied, the next group's bytes (contiguous: whole rows)
+/// are prefetched into L2, spread over its column steps, since 48 rows read
+/// a tile at a time are more streams than the hardware prefetcher follows.
+pub(crate) fn few_rows(
+    isa: Isa,
+    w: &[half::bf16],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    x: &FewPacked,
+    out: &OutRef,
+) {
+    assert!(
+        isa.tier() == Tier::Amx
+            && x.cols == cols
+            && cols.is_multiple_of(KSTEP)
+            && rows.len().is_multiple_of(TILE)
+            && rows.end * cols <= w.len()
+    );
+    let group = FEW_ROW_TILES * TILE;
+    let _tiles = Tiles::configure();
+    let mut c = [0.0f32; FEW_ROW_TILES * TILE * TILE];
+    let stride = cols * 2;
+    let base = w.as_ptr() as *const u8;
+    for g0 in rows.clone().step_by(group) {
+        let g1 = (g0 + group).min(rows.end);
+        let n1 = (g1 + group).min(rows.end);
+        // SAFETY: tiles configured on this thread; rows g0..g1 and n1 lie in
+        // `w` (checked above); `x` holds `cols / 32` steps of ACT_TERMS tiles.
+        unsafe {
+            few_kernel(
+                base.add(g0 * stride),
+                stride,
+                (g1 - g0) / TILE,
+                x.data.as_ptr(),
+                x.terms,
+                cols / KSTEP,
+                (base.add(g1 * stride), (n1 - g1) * stride),
+                c.as_mut_ptr(),
+            )
+        };
+        for n in 0..x.tokens {
+            // SAFETY: this thread owns columns `rows` of every output row.
+            let y = unsafe { out.data.range(n * out.stride + g0, n * out.stride + g1) };
+            for (r, v) in y.iter_mut().enumerate() {
+                *v = c[(r / TILE) * TILE * TILE + (r % TILE) * TILE + n];
+            }
+        }
+    }
+}
+
+/// `c[j] = Σ_k A[j] · B` for `tiles` ≤ 3 row tiles of A (row `j·16` at
+/// `a + j·16·a_stride` bytes) over `ksteps` 32-column steps, B the packed
+/// activations (`terms` of the `ACT_TERMS` tiles at each step), stored as
+/// 16 × 16 f32 tiles at `c + j·256`. Prefetches `next` (a pointer and a byte
+/// count) into L2 over the steps.
+///
+/// # Safety
+/// Tiles configured on this thread; `a` valid for `16·tiles` rows of
+/// `a_stride` bytes × `ksteps` steps, `b` for `ksteps · ACT_TERMS` tiles, `c`
+/// for `tiles · 256` floats.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+unsafe fn few_kernel(
+    a: *const u8,
+    a_stride: usize,
+    tiles: usize,
+    b: *const u16,
+    terms: usize,
+    ksteps: usize,
+    next: (*const u8, usize),
+    c: *mut f32,
+) {
+    use std::arch::asm;
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    debug_assert!((1..=FEW_ROW_TILES).contains(&tiles) && (1..=ACT_TERMS).contains(&terms));
+    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", options(nostack, nomem));
+    let b_row = 2 * TILE * 2; // bytes per B tile row: 16 tokens × 2 bf16
+    let lines = next.1.div_ceil(64);
+    let mut fetched = 0;
+    macro_rules! load_b {
+        ($t:literal, $p:expr) => {
+            asm!(concat!("tileloadd tmm", $t, ", [{p} + {s} * 1]"), p = in(reg) $p, s = in(reg) b_row, options(nostack, readonly))
+        };
+    }
+    macro_rules! load_a {
+        ($t:literal, $p:expr) => {
+            asm!(concat!("tileloadd tmm", $t, ", [{p} + {s} * 1]"), p = in(reg) $p, s = in(reg) a_stride, options(nostack, readonly))
+        };
+    }
+    macro_rules! dot3 {
+        ($c:literal, $a:literal) => {{
+            asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm5"), options(nostack, nomem));
+            if terms > 1 {
+                asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm6"), options(nostack, nomem));
+            }
+            if terms > 2 {
+                asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm7"), options(nostack, nomem));
+            }
+        }};
+    }
+    // The weights alternate between tmm3 and tmm4 (tiles are not renamed: a
+    // load into one waits only for the products reading it, so the next
+    // tile's load overlaps this one's products).
+    let mut second = false;
+    for ks in 0..ksteps {
+        let bp = b.add(ks * ACT_TERMS * TILE_ELEMS);
+        load_b!("5", bp);
+        if terms > 1 {
+            load_b!("6", bp.add(TILE_ELEMS));
+        }
+        if terms > 2 {
+            load_b!("7", bp.add(2 * TILE_ELEMS));
+        }
+        // This step's share of the next group's lines.
+        let upto = lines * (ks + 1) / ksteps;
+        while fetched < upto {
+            _mm_prefetch::<_MM_HINT_T1>(next.0.add(fetched * 64) as *const i8);
+            fetched += 1;
+        }
+        for j in 0..tiles {
+            let ap = a.add(j * TILE * a_stride + ks * KSTEP * 2);
+            if !second {
+                load_a!("3", ap);
+                match j {
+                    0 => dot3!("0", "3"),
+                    1 => dot3!("1", "3"),
+                    _ => dot3!("2", "3"),
+                }
+            } else {
+                load_a!("4", ap);
+                match j {
+                    0 => dot3!("0", "4"),
+                    1 => dot3!("1", "4"),
+                    _ => dot3!("2", "4"),
+                }
+            }
+            second = !second;
+        }
+    }
+    let c_row = TILE * 4;
+    asm!("tilestored [{p} + {s} * 1], tmm0", p = in(reg) c, s = in(reg) c_row, options(nostack));
+    if tiles > 1 {
+        asm!("tilestored [{p} + {s} * 1], tmm1", p = in(reg) c.add(TILE * TILE), s = in(reg) c_row, options(nostack));
+    }
+    if tiles > 2 {
+        asm!("tilestored [{p} + {s} * 1], tmm2", p = in(reg) c.add(2 * TILE * TILE), s = in(reg) c_row, options(nostack));
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn few_kernel(
+    _: *const u8,
+    _: usize,
+    _: usize,
+    _: *const u16,
+    _: usize,
+    _: usize,
+    _: (*const u8, usize),
+    _: *mut f32,
+) {
+    unreachable!("AMX is x86-64 only")
+}
+
 /// Writes the 2×2 accumulator tiles (row tile j, token tile m at
 /// `c[(2j + m) * 256 + row * 16 + token]`) into `out`.
 fn scatter(c: &[f32], r0: usize, t0: usize, tokens: usize, out: &OutRef) {
