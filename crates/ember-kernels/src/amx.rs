@@ -315,7 +315,7 @@ pub(crate) fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: 
     });
 }
 
-/// Most tokens [`few_rows`] takes: one token tile.
+/// Most tokens `few_rows` takes: one token tile.
 pub const FEW_TOKENS: usize = TILE;
 
 /// Weight row tiles [`few_rows`] accumulates at once (48 rows): three of the
@@ -325,7 +325,8 @@ pub const FEW_TOKENS: usize = TILE;
 /// 177 tok/s against 192.)
 const FEW_ROW_TILES: usize = 3;
 
-/// Up to [`FEW_TOKENS`] tokens packed for [`few_rows`]: one token tile per
+/// Up to [`FEW_TOKENS`] tokens packed for `few_rows` (the kernel of
+/// `matmul`'s products of 9–16 tokens on AMX): one token tile per
 /// 32-column step, its [`ACT_TERMS`] terms (the layout of [`pack`]'s first
 /// tile), of which the product uses the first `terms` (all of them: with one,
 /// f32-class accuracy given up, 16 sequences decoded 15% faster).
@@ -336,7 +337,7 @@ pub struct FewPacked<'a> {
     terms: usize,
 }
 
-/// Packs `x (T, cols)`, `T ≤ FEW_TOKENS`, for [`few_rows`]. On the calling
+/// Packs `x (T, cols)`, `T ≤ FEW_TOKENS`, for `few_rows`. On the calling
 /// thread: 16 tokens of 4864 columns is 78 k values.
 pub fn pack_few<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> FewPacked<'b> {
     let t = x.len() / cols;

@@ -12,7 +12,7 @@
 //! |---|---|
 //! | INT8/INT4 at fast precision | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX, from `AMX_MIN_TOKENS` (32) tokens on | [`amx`]: BF16 tiles, activations as exact BF16 terms |
-//! | BF16 on AMX, 9–16 tokens (several sequences decoding) | [`amx::few_rows`]: weight tiles loaded in place, one token tile |
+//! | BF16 on AMX, 9–16 tokens (several sequences decoding) | `amx::few_rows`: weight tiles loaded in place, one token tile |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
 //! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
 //! | BF16, ≤ 8 tokens on AVX-512 (in column blocks that fit L1), ≤ 4 whose activations fit L1 on AVX2, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
