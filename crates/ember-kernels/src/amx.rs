@@ -328,24 +328,22 @@ const FEW_ROW_TILES: usize = 3;
 /// Up to [`FEW_TOKENS`] tokens packed for `few_rows` (the kernel of
 /// `matmul`'s products of 9–16 tokens on AMX): one token tile per
 /// 32-column step, its [`ACT_TERMS`] terms (the layout of [`pack`]'s first
-/// tile), of which the product uses the first `terms` (all of them: with one,
-/// f32-class accuracy given up, 16 sequences decoded 15% faster).
+/// tile), all of which the product uses (with one, f32-class accuracy given
+/// up, 16 sequences decoded 15% faster).
 pub struct FewPacked<'a> {
     data: &'a [u16],
     tokens: usize,
     cols: usize,
-    terms: usize,
 }
 
 /// Packs `x (T, cols)`, `T ≤ FEW_TOKENS`, for `few_rows`. On the calling
 /// thread: 16 tokens of 4864 columns is 78 k values.
 pub fn pack_few<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> FewPacked<'b> {
     let t = x.len() / cols;
-    let terms = ACT_TERMS;
     assert!(cols.is_multiple_of(KSTEP) && x.len() == t * cols && t <= FEW_TOKENS);
     buf.resize(cols / KSTEP * ACT_TERMS * TILE_ELEMS, 0);
     pack_tiles(isa, x, cols, 0..1, &mut buf[..]);
-    FewPacked { data: &buf[..], tokens: t, cols, terms }
+    FewPacked { data: &buf[..], tokens: t, cols }
 }
 
 /// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`FEW_TOKENS`]) over BF16
@@ -356,9 +354,9 @@ pub fn pack_few<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u16>) -> 
 /// compute-bound product: each 16 × 32 weight tile is loaded once, in place,
 /// and multiplied with the one activation tile of its column step (per term),
 /// into accumulators that hold 48 rows × 16 tokens for the whole row, so
-/// nothing is stored between column steps. The f32 kernels spend about 32
-/// FMAs on 64 weights for 8 tokens, which on 2 cores of a Xeon took as long
-/// as reading them; one `tdpbf16ps` does 8192 multiply-adds. While a group
+/// nothing is stored between column steps. The f32 kernels spend an FMA
+/// lane on every weight for every token, which for 16 tokens outlasts
+/// reading the weights; one `tdpbf16ps` does 8192 multiply-adds. While a group
 /// of 48 rows is multiplied, the next group's bytes (contiguous: whole rows)
 /// are prefetched into L2, spread over its column steps, since 48 rows read
 /// a tile at a time are more streams than the hardware prefetcher follows.
@@ -393,7 +391,6 @@ pub(crate) fn few_rows(
                 stride,
                 (g1 - g0) / TILE,
                 x.data.as_ptr(),
-                x.terms,
                 cols / KSTEP,
                 (base.add(g1 * stride), (n1 - g1) * stride),
                 c.as_mut_ptr(),
@@ -411,7 +408,7 @@ pub(crate) fn few_rows(
 
 /// `c[j] = Σ_k A[j] · B` for `tiles` ≤ 3 row tiles of A (row `j·16` at
 /// `a + j·16·a_stride` bytes) over `ksteps` 32-column steps, B the packed
-/// activations (`terms` of the `ACT_TERMS` tiles at each step), stored as
+/// activations (the `ACT_TERMS` tiles of each step), stored as
 /// 16 × 16 f32 tiles at `c + j·256`. Prefetches `next` (a pointer and a byte
 /// count) into L2 over the steps.
 ///
@@ -427,14 +424,15 @@ unsafe fn few_kernel(
     a_stride: usize,
     tiles: usize,
     b: *const u16,
-    terms: usize,
     ksteps: usize,
     next: (*const u8, usize),
     c: *mut f32,
 ) {
     use std::arch::asm;
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    debug_assert!((1..=FEW_ROW_TILES).contains(&tiles) && (1..=ACT_TERMS).contains(&terms));
+    // The three activation terms live in tmm5, tmm6 and tmm7.
+    const _: () = assert!(ACT_TERMS == 3);
+    debug_assert!((1..=FEW_ROW_TILES).contains(&tiles));
     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", options(nostack, nomem));
     let b_row = 2 * TILE * 2; // bytes per B tile row: 16 tokens × 2 bf16
     let lines = next.1.div_ceil(64);
@@ -450,15 +448,14 @@ unsafe fn few_kernel(
         };
     }
     macro_rules! dot3 {
-        ($c:literal, $a:literal) => {{
-            asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm5"), options(nostack, nomem));
-            if terms > 1 {
-                asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm6"), options(nostack, nomem));
-            }
-            if terms > 2 {
-                asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm7"), options(nostack, nomem));
-            }
-        }};
+        ($c:literal, $a:literal) => {
+            asm!(
+                concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm5"),
+                concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm6"),
+                concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm7"),
+                options(nostack, nomem)
+            )
+        };
     }
     // The weights alternate between tmm3 and tmm4 (tiles are not renamed: a
     // load into one waits only for the products reading it, so the next
@@ -467,12 +464,8 @@ unsafe fn few_kernel(
     for ks in 0..ksteps {
         let bp = b.add(ks * ACT_TERMS * TILE_ELEMS);
         load_b!("5", bp);
-        if terms > 1 {
-            load_b!("6", bp.add(TILE_ELEMS));
-        }
-        if terms > 2 {
-            load_b!("7", bp.add(2 * TILE_ELEMS));
-        }
+        load_b!("6", bp.add(TILE_ELEMS));
+        load_b!("7", bp.add(2 * TILE_ELEMS));
         // This step's share of the next group's lines.
         let upto = lines * (ks + 1) / ksteps;
         while fetched < upto {
@@ -511,16 +504,7 @@ unsafe fn few_kernel(
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-unsafe fn few_kernel(
-    _: *const u8,
-    _: usize,
-    _: usize,
-    _: *const u16,
-    _: usize,
-    _: usize,
-    _: (*const u8, usize),
-    _: *mut f32,
-) {
+unsafe fn few_kernel(_: *const u8, _: usize, _: usize, _: *const u16, _: usize, _: (*const u8, usize), _: *mut f32) {
     unreachable!("AMX is x86-64 only")
 }
 

@@ -629,8 +629,6 @@ struct Prepared<'a> {
 thread_local! {
     /// The caller's activations packed for AMX, reused across calls.
     static PACKED: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
-    /// The caller's activations packed for AMX's few-token kernel.
-    static PACKED_FEW: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     /// The caller's activations rounded for the fast BF16 kernels.
     static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// The caller's activations quantized for the integer kernels.
@@ -677,8 +675,10 @@ fn on_amx_few(isa: Isa, w: &MatRef, t: usize) -> bool {
         && matches!(w.weights, Weights::Bf16(_))
         && amx::handles(w)
         && (SMALL_BATCH + 1..=amx::FEW_TOKENS).contains(&t)
-        && t < AMX_MIN_TOKENS
 }
+
+// The two AMX kernels take disjoint token counts, so they share one buffer.
+const _: () = assert!(amx::FEW_TOKENS < AMX_MIN_TOKENS);
 
 /// Whether the fast BF16 kernels take `w`'s products over `t` tokens (AMX,
 /// where it runs, takes them first).
@@ -717,32 +717,37 @@ fn with_prepared<R>(
     let want_int8 = weights.iter().any(|w| fast_int8(isa, precision, w));
     let want_lanes = weights.iter().any(|w| on_lanes(isa, precision, w, t));
     let want_few = weights.iter().any(|w| on_few(isa, precision, w, t));
-    PACKED_FEW.with(|packed_few| {
-        PACKED.with(|packed| {
-            ROUNDED.with(|rounded| {
-                QUANTIZED.with(|quantized| {
-                    TRANSPOSED.with(|transposed| {
-                        FEW.with(|few| {
-                            let mut packed_few = packed_few.borrow_mut();
-                            let (mut packed, mut rounded, mut quantized, mut transposed, mut few) = (
-                                packed.borrow_mut(),
-                                rounded.borrow_mut(),
-                                quantized.borrow_mut(),
-                                transposed.borrow_mut(),
-                                few.borrow_mut(),
-                            );
-                            let prepared = Prepared {
-                                amx: want_amx.then(|| amx::pack(isa, pool, x, cols, &mut packed)),
-                                amx_few: want_amx_few.then(|| amx::pack_few(isa, x, cols, &mut packed_few)),
-                                lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
-                                bf16: want_bf16.then(|| {
-                                    gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)
-                                }),
-                                int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
-                                few: if want_few { prepare_few(isa, x, cols, &mut few) } else { None },
-                            };
-                            f(&prepared)
-                        })
+    PACKED.with(|packed| {
+        ROUNDED.with(|rounded| {
+            QUANTIZED.with(|quantized| {
+                TRANSPOSED.with(|transposed| {
+                    FEW.with(|few| {
+                        let (mut packed, mut rounded, mut quantized, mut transposed, mut few) = (
+                            packed.borrow_mut(),
+                            rounded.borrow_mut(),
+                            quantized.borrow_mut(),
+                            transposed.borrow_mut(),
+                            few.borrow_mut(),
+                        );
+                        // AMX's prompt and few-token packings never both
+                        // apply (their token counts are disjoint).
+                        let (amx, amx_few) = if want_amx {
+                            (Some(amx::pack(isa, pool, x, cols, &mut packed)), None)
+                        } else if want_amx_few {
+                            (None, Some(amx::pack_few(isa, x, cols, &mut packed)))
+                        } else {
+                            (None, None)
+                        };
+                        let prepared = Prepared {
+                            amx,
+                            amx_few,
+                            lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
+                            bf16: want_bf16
+                                .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
+                            int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
+                            few: if want_few { prepare_few(isa, x, cols, &mut few) } else { None },
+                        };
+                        f(&prepared)
                     })
                 })
             })
