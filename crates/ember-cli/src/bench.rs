@@ -53,6 +53,13 @@ pub struct Args {
     #[arg(long, default_value_t = 128, value_name = "N")]
     sequence_prompt: usize,
 
+    /// After each tgN test, one more generation timed phase by phase (q/k/v,
+    /// attention, o, gate/up, down, LM head): time per token, and for the
+    /// products the weight bytes they stream against the read ceiling
+    /// measured right after.
+    #[arg(long)]
+    phases: bool,
+
     /// Print one JSON array, an object per test.
     #[arg(long)]
     json: bool,
@@ -88,6 +95,14 @@ struct Row {
     /// For ppN: time to first token for an N-token prompt (median), in ms.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     ttft_ms: Option<f64>,
+    /// With --phases: the part of the tgN test's forward passes this row
+    /// times (`tok_s` is then tokens per second of that part alone, and
+    /// `gb_s`, `read_pct` its weights' rate).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    phase: Option<String>,
+    /// With --phases: microseconds per decoded token spent in `phase`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    us_per_token: Option<f64>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -177,6 +192,9 @@ pub fn run(args: Args) -> Result<()> {
         r.read_gb_s = Some(median(&reads));
         r.read_pct = Some(median(&shares));
         rows.push(r);
+        if args.phases {
+            rows.extend(phase_rows(&model, n, threads)?);
+        }
     }
     for &s in &args.sequences {
         for &n in args.generate.iter().filter(|&&n| n > 0) {
@@ -196,6 +214,30 @@ pub fn run(args: Args) -> Result<()> {
     print(&args, &dir, &rows, Some(bytes_per_token))
 }
 
+/// One more `n`-token generation timed phase by phase, then a read of the
+/// weights: a row per phase.
+fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) -> Result<Vec<Row>> {
+    let (_, times) = bench::generation_phases(model, n)?;
+    let (bytes, d) = bench::weight_read(model);
+    let read = bytes as f64 / d.as_secs_f64() / 1e9;
+    let tokens = times.tokens.max(1) as f64;
+    let rows = ember_model::advanced::Phase::ALL.iter().map(|&p| {
+        let per_token = times.get(p).as_secs_f64() / tokens;
+        let mut r = row(format!("tg{n}"), threads, &[1.0 / per_token.max(f64::MIN_POSITIVE)]);
+        r.phase = Some(p.name().to_string());
+        r.us_per_token = Some(per_token * 1e6);
+        let weights = model.phase_bytes(p);
+        if weights > 0 && per_token > 0.0 {
+            let gb = weights as f64 / per_token / 1e9;
+            r.gb_s = Some(gb);
+            r.read_gb_s = Some(read);
+            r.read_pct = Some(100.0 * gb / read);
+        }
+        r
+    });
+    Ok(rows.collect())
+}
+
 /// Runs `ember bench` for one thread count in a child process.
 fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>> {
     let join = |v: &[usize]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",");
@@ -210,6 +252,7 @@ fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>>
         .args(args.quant.map(|q| ["--quant", q.name()]).into_iter().flatten())
         .args(["--precision", args.precision.name()])
         .args(["--sequence-prompt", &args.sequence_prompt.to_string()])
+        .args(args.phases.then_some("--phases"))
         .args(
             (!args.sequences.is_empty())
                 .then(|| ["--sequences".to_string(), join(&args.sequences)])
@@ -248,6 +291,8 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         read_gb_s: None,
         read_pct: None,
         ttft_ms: None,
+        phase: None,
+        us_per_token: None,
     }
 }
 
@@ -283,6 +328,7 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         "test", "seqs", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s"
     );
     println!("| {:-<8} | {:->4} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} |", "", "", "", "", "", "", "");
+    let (phases, rows): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.phase.is_some());
     for r in rows {
         let seqs = r.sequences.map_or(String::new(), |s| s.to_string());
         let ttft = r.ttft_ms.map_or(String::new(), |t| format!("{t:.0}"));
@@ -298,5 +344,31 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
             r.test, seqs, r.threads, rate, ttft, gb, read
         );
     }
+    print_phases(&phases);
     Ok(())
+}
+
+/// The --phases rows: one table per tgN test and thread count.
+fn print_phases(rows: &[&Row]) {
+    let mut tests: Vec<(&str, usize)> = rows.iter().map(|r| (r.test.as_str(), r.threads)).collect();
+    tests.dedup();
+    for (test, threads) in tests {
+        let of: Vec<&&Row> = rows.iter().filter(|r| r.test == test && r.threads == threads).collect();
+        let total: f64 = of.iter().filter_map(|r| r.us_per_token).sum();
+        let read = of.iter().find_map(|r| r.read_gb_s).map_or(String::new(), |g| format!(", read ceiling {g:.1} GB/s"));
+        println!();
+        let plural = if threads == 1 { "" } else { "s" };
+        println!("phases of {test}, {threads} thread{plural} (one more generation, timed per phase{read}):");
+        println!("| {:<9} | {:>8} | {:>6} | {:>20} |", "phase", "µs/token", "share", "weights GB/s");
+        println!("| {:-<9} | {:->8} | {:->6} | {:->20} |", "", "", "", "");
+        for r in of {
+            let us = r.us_per_token.unwrap_or(0.0);
+            let share = if total > 0.0 { 100.0 * us / total } else { 0.0 };
+            let gb = match (r.gb_s, r.read_pct) {
+                (Some(g), Some(p)) => format!("{g:.1} ({p:.0}% of read)"),
+                _ => String::new(),
+            };
+            println!("| {:<9} | {:>8.1} | {:>5.1}% | {:>20} |", r.phase.as_deref().unwrap_or(""), us, share, gb);
+        }
+    }
 }

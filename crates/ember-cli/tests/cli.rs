@@ -468,3 +468,27 @@ fn a_write_that_fails_midway_leaves_nothing_behind() {
     assert!(left.is_empty(), "{}: left behind {left:?}", out.display());
     let _ = std::fs::remove_dir_all(&parent);
 }
+
+#[test]
+fn bench_phases_time_every_part_of_a_decoded_token() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let out = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--phases", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(rows[0]["phase"].is_null() && rows[0]["test"] == "tg4" && rows[0]["read_pct"].is_number());
+    let phases: Vec<&serde_json::Value> = rows.iter().filter(|r| !r["phase"].is_null()).collect();
+    let names: Vec<&str> = phases.iter().map(|r| r["phase"].as_str().unwrap()).collect();
+    assert_eq!(names, ["embed", "q/k/v", "attention", "o", "gate/up", "down", "lm head"]);
+    for r in &phases {
+        assert_eq!(r["test"], "tg4");
+        assert!(r["us_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        // The products stream weights and are rated against the read ceiling.
+        let product = !matches!(r["phase"].as_str(), Some("embed" | "attention"));
+        assert_eq!(r["read_pct"].is_number(), product, "{r}");
+        assert_eq!(r["gb_s"].is_number(), product, "{r}");
+    }
+    let text = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--phases"]);
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains("phases of tg4, 1 thread (") && text.contains("| lm head"), "{text}");
+}

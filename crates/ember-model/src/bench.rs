@@ -4,7 +4,7 @@
 
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::qwen2::{BatchToken, Qwen2, Scratch};
+use crate::qwen2::{BatchToken, PhaseTimes, Qwen2, Scratch};
 use std::time::{Duration, Instant};
 
 /// Deterministic token ids spread over the vocabulary (what they are does
@@ -39,6 +39,21 @@ pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
         state.run(model, &[t], true)?;
     }
     Ok(start.elapsed())
+}
+
+/// [`generation`] with its forward passes timed phase by phase
+/// ([`crate::qwen2::Phase`]): where a decoded token's time goes. The total
+/// includes the clock reads (a few hundred a token, well under 1% of it).
+pub fn generation_phases(model: &Qwen2, n: usize) -> Result<(Duration, PhaseTimes)> {
+    let tokens = bench_tokens(model, n);
+    let mut state = model.new_state(n.max(1));
+    state.time_phases(true);
+    let start = Instant::now();
+    for &t in &tokens {
+        state.run(model, &[t], true)?;
+    }
+    let elapsed = start.elapsed();
+    Ok((elapsed, state.phase_times().cloned().unwrap_or_default()))
 }
 
 /// Time for `sequences` sequences to decode `n` tokens each together, each

@@ -300,7 +300,8 @@ pub mod advanced {
     pub use crate::kv_cache::KvCache;
     pub use crate::model::{init_threads, load_qwen2, physical_cores};
     pub use crate::qwen2::{
-        Attention, BatchToken, Layer, Linear, Mlp, QuantPolicy, Qwen2, Scratch, State, WeightRole, INT4_KEEPS_INT8,
+        Attention, BatchToken, Layer, Linear, Mlp, Phase, PhaseTimes, QuantPolicy, Qwen2, Scratch, State, WeightRole,
+        INT4_KEEPS_INT8,
     };
     pub use crate::stream::TextStream;
     pub use crate::tokenizer::ChatTemplate;

@@ -27,6 +27,7 @@ use ember_kernels::pool;
 use ember_kernels::{
     matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType,
 };
+use std::time::{Duration, Instant};
 
 /// `values` of tensor `name`, or [`Error::NonFiniteWeight`]: the small
 /// tensors (norms, biases) are checked at load, the cheap part of "no NaN
@@ -401,6 +402,24 @@ impl Qwen2 {
         self.layers.iter().map(per_layer).sum::<usize>() + self.lm_head.size_bytes()
     }
 
+    /// Weight bytes a single-token forward pass streams in `phase`: its
+    /// matrices (none for [`Phase::Embed`], a lookup of one row, nor for
+    /// [`Phase::Attention`], whose reads are the KV cache). Over every phase
+    /// they add up to [`Qwen2::weight_bytes_per_token`].
+    pub fn phase_bytes(&self, phase: Phase) -> usize {
+        let layers = |pick: fn(&Layer) -> Vec<&Linear>| {
+            self.layers.iter().flat_map(pick).map(|p| p.weight.size_bytes()).sum::<usize>()
+        };
+        match phase {
+            Phase::Embed | Phase::Attention => 0,
+            Phase::Qkv => layers(|l| vec![&l.self_attn.q_proj, &l.self_attn.k_proj, &l.self_attn.v_proj]),
+            Phase::O => layers(|l| vec![&l.self_attn.o_proj]),
+            Phase::GateUp => layers(|l| vec![&l.mlp.gate_proj, &l.mlp.up_proj]),
+            Phase::Down => layers(|l| vec![&l.mlp.down_proj]),
+            Phase::Head => self.lm_head.size_bytes(),
+        }
+    }
+
     /// One forward pass over a batch of tokens: the whole model.
     ///
     /// Each token is tagged with its sequence (an index into `caches`) and its
@@ -444,6 +463,7 @@ impl Qwen2 {
         let gate = &mut s.gate[..t * c.intermediate_size]; // (T, intermediate): silu(gate) * up
         let up = &mut s.up[..t * c.intermediate_size];
         let (cos, sin) = (&mut s.cos[..t * hd / 2], &mut s.sin[..t * hd / 2]); // (T, head_dim / 2)
+        let mut clock = Clock::start(s.phases.as_mut(), t);
         s.seqs.clear();
         s.visible.clear();
         for (i, b) in batch.iter().enumerate() {
@@ -452,6 +472,7 @@ impl Qwen2 {
             s.seqs.push(b.seq);
             s.visible.push(b.pos + 1);
         }
+        clock.lap(Phase::Embed);
 
         for (li, layer) in self.layers.iter().enumerate() {
             let (a, m) = (&layer.self_attn, &layer.mlp);
@@ -469,6 +490,7 @@ impl Qwen2 {
             a.q_proj.add_bias(qb);
             a.k_proj.add_bias(kb);
             a.v_proj.add_bias(vb);
+            clock.lap(Phase::Qkv);
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
             for (i, b) in batch.iter().enumerate() {
                 let (cs, sn) = (&cos[i * hd / 2..(i + 1) * hd / 2], &sin[i * hd / 2..(i + 1) * hd / 2]);
@@ -481,8 +503,10 @@ impl Qwen2 {
             let shared: &[&mut KvCache] = &*caches;
             let kv = |seq: usize| shared[seq].layer(li, shared[seq].capacity());
             attention(pool, isa, shape, qb, &s.seqs, &s.visible, &kv, att);
+            clock.lap(Phase::Attention);
             self.project(&a.o_proj, att, hb);
             add_assign(x, hb);
+            clock.lap(Phase::O);
 
             // MLP block: SwiGLU, gate and up in one pass.
             for (xr, hr) in x.chunks_exact(h).zip(hb.chunks_exact_mut(h)) {
@@ -493,8 +517,10 @@ impl Qwen2 {
                 1 => matvec_swiglu(pool, gp, up_p, hb, gate),
                 _ => matmul_swiglu(pool, self.precision, gp, up_p, hb, up, gate),
             }
+            clock.lap(Phase::GateUp);
             self.project(&m.down_proj, gate, hb);
             add_assign(x, hb);
+            clock.lap(Phase::Down);
         }
         for b in batch {
             caches[b.seq].advance();
@@ -513,6 +539,7 @@ impl Qwen2 {
             1 => matvec(self.lm_head.matrix(), normed, logits),
             _ => matmul(pool, self.precision, self.lm_head.matrix(), normed, logits),
         }
+        clock.lap(Phase::Head);
         Ok(&s.logits[..n * vocab])
     }
 
@@ -603,6 +630,8 @@ pub struct Scratch {
     logits: Vec<f32>,
     /// A batch being built by [`State`] or `generate::step`.
     pub(crate) batch: Vec<BatchToken>,
+    /// Time per phase, while timing is on ([`Scratch::time_phases`]).
+    phases: Option<PhaseTimes>,
 }
 
 impl std::fmt::Debug for Scratch {
@@ -612,6 +641,18 @@ impl std::fmt::Debug for Scratch {
 }
 
 impl Scratch {
+    /// Starts timing the phases of the forward passes that use these buffers
+    /// from zero (`true`), or stops (`false`). Off by default: a pass then
+    /// reads no clock.
+    pub fn time_phases(&mut self, on: bool) {
+        self.phases = on.then(PhaseTimes::default);
+    }
+
+    /// The phases' times since [`Scratch::time_phases`] turned timing on.
+    pub fn phase_times(&self) -> Option<&PhaseTimes> {
+        self.phases.as_ref()
+    }
+
     /// Makes room for `t` tokens (never shrinks); an error, and no change,
     /// if the memory is not there.
     fn reserve(&mut self, c: &Config, t: usize) -> Result<()> {
@@ -629,6 +670,89 @@ impl Scratch {
     }
 }
 
+/// The parts of a forward pass that [`PhaseTimes`] times: where a decoded
+/// token's time goes (`ember bench --phases`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The embedding rows and RoPE's angles of the batch's tokens.
+    Embed,
+    /// Every layer's input norm, q/k/v products and biases.
+    Qkv,
+    /// Every layer's RoPE, KV store and attention.
+    Attention,
+    /// Every layer's o product and residual add.
+    O,
+    /// Every layer's post-attention norm, gate/up products and SiLU gate.
+    GateUp,
+    /// Every layer's down product and residual add.
+    Down,
+    /// The final norm and the LM head.
+    Head,
+}
+
+impl Phase {
+    /// Every phase, in the order a forward pass runs them.
+    pub const ALL: [Phase; 7] =
+        [Phase::Embed, Phase::Qkv, Phase::Attention, Phase::O, Phase::GateUp, Phase::Down, Phase::Head];
+
+    /// Its name in `ember bench --phases`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Embed => "embed",
+            Phase::Qkv => "q/k/v",
+            Phase::Attention => "attention",
+            Phase::O => "o",
+            Phase::GateUp => "gate/up",
+            Phase::Down => "down",
+            Phase::Head => "lm head",
+        }
+    }
+}
+
+/// Time spent in each [`Phase`] over the forward passes timed
+/// ([`Scratch::time_phases`]), and how many passes and tokens they were.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Forward passes timed.
+    pub passes: usize,
+    /// Tokens in them.
+    pub tokens: usize,
+    times: [Duration; Phase::ALL.len()],
+}
+
+impl PhaseTimes {
+    /// The time spent in `phase`.
+    pub fn get(&self, phase: Phase) -> Duration {
+        self.times[phase as usize]
+    }
+}
+
+/// A forward pass's laps: each [`Clock::lap`] adds the time since the last
+/// to a phase. Without timing on, it holds nothing and reads no clock.
+struct Clock<'a> {
+    on: Option<(&'a mut PhaseTimes, Instant)>,
+}
+
+impl<'a> Clock<'a> {
+    fn start(times: Option<&'a mut PhaseTimes>, tokens: usize) -> Clock<'a> {
+        let on = times.map(|t| {
+            t.passes += 1;
+            t.tokens += tokens;
+            (t, Instant::now())
+        });
+        Clock { on }
+    }
+
+    #[inline]
+    fn lap(&mut self, phase: Phase) {
+        if let Some((times, last)) = &mut self.on {
+            let now = Instant::now();
+            times.times[phase as usize] += now - *last;
+            *last = now;
+        }
+    }
+}
+
 /// What the logits buffer is called in an allocation error.
 const LOGITS: &str = "the logits";
 
@@ -641,6 +765,17 @@ pub struct State {
 }
 
 impl State {
+    /// Times the phases of this sequence's forward passes from now on
+    /// (`true`) or stops ([`Scratch::time_phases`]).
+    pub fn time_phases(&mut self, on: bool) {
+        self.scratch.time_phases(on);
+    }
+
+    /// The phases' times since timing was turned on.
+    pub fn phase_times(&self) -> Option<&PhaseTimes> {
+        self.scratch.phase_times()
+    }
+
     /// Runs `tokens` at the next positions of this sequence in one forward
     /// pass (one token, or a prompt block). With `want_logits`, returns the
     /// next-token logits `(vocab,)` after the last.

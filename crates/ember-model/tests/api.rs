@@ -371,3 +371,38 @@ fn errors_name_no_command_line_flags() {
         assert!(!s.contains("--"), "{s}");
     }
 }
+
+#[test]
+fn phases_are_timed_only_when_asked_and_cover_the_forward_pass() {
+    use ember_model::advanced::{load_qwen2, Phase};
+    use std::time::{Duration, Instant};
+    let model = load_qwen2(&dir()).unwrap();
+    let streamed: usize = Phase::ALL.iter().map(|&p| model.phase_bytes(p)).sum();
+    assert_eq!(streamed, model.weight_bytes_per_token());
+    assert!(Phase::ALL.iter().filter(|&&p| model.phase_bytes(p) > 0).count() == 5, "the five products stream weights");
+
+    let mut state = model.new_state(16);
+    state.run(&model, &[1, 2, 3], true).unwrap();
+    assert!(state.phase_times().is_none(), "off by default");
+    state.time_phases(true);
+    let start = Instant::now();
+    let timed = state.run(&model, &[4], true).unwrap().unwrap().to_vec();
+    state.run(&model, &[5, 6, 7], true).unwrap();
+    let wall = start.elapsed();
+    let times = state.phase_times().unwrap().clone();
+    assert_eq!((times.passes, times.tokens), (2, 4));
+    for p in Phase::ALL {
+        assert!(times.get(p) > Duration::ZERO, "{p:?} was not timed");
+    }
+    let sum: Duration = Phase::ALL.iter().map(|&p| times.get(p)).sum();
+    assert!(sum <= wall, "phases {sum:?} add up to more than the passes took ({wall:?})");
+
+    // Timing changes no result.
+    let mut plain = model.new_state(16);
+    plain.run(&model, &[1, 2, 3], true).unwrap();
+    assert_eq!(plain.run(&model, &[4], true).unwrap().unwrap(), &timed[..]);
+    state.time_phases(false);
+    assert!(state.phase_times().is_none());
+    state.time_phases(true);
+    assert_eq!(state.phase_times().unwrap().passes, 0, "turning it on starts from zero");
+}
