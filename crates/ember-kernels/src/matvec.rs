@@ -219,10 +219,13 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
     // An array, not a Vec: this runs for every mat-vec of every token.
     let all: [MatRef; N] = std::array::from_fn(|i| jobs[i].0);
     let threads = threads_for(pool, weights);
+    let bytes: usize = all.iter().map(|w| w.bytes()).sum();
+    let shares = bytes < SMALL_SECTION_BYTES;
     let chunks = Chunks::new(total, threads, ROW_ALIGN, MIN_CHUNK);
     with_acts(isa, x, &all, |acts| {
-        let work = |_t: usize, _n: usize| {
-            while let Some(r) = chunks.next_chunk() {
+        let work = |t: usize, n: usize| {
+            let mut share = shares.then(|| byte_share(&all, t, n));
+            while let Some(r) = if shares { share.take() } else { chunks.next_chunk() } {
                 let mut offset = 0;
                 for (w, y) in &jobs {
                     let (lo, hi) = (r.start.max(offset), r.end.min(offset + w.rows));
@@ -240,6 +243,45 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
             _ => pool.run(work),
         }
     })
+}
+
+/// Below this many bytes of weights, a mat-vec's rows are cut into one
+/// contiguous share per thread, balanced by bytes, instead of handed out in
+/// guided [`Chunks`]. Every chunk a thread starts restarts its four memory
+/// streams, and a small product is over before they pay off: o (0.85 MB of
+/// INT8), 2 threads, INT4 decoding on a Xeon (family 6 model 167), `ember
+/// bench --phases` alternated four times: 704–730 → 622–680 µs a token
+/// (71–81% → 77–90% of the read ceiling). q/k/v (0.69 MB) ran the same
+/// either way, as it did with the chunks' minimum at 32 or 128 rows (the
+/// latter slower for both). The big products keep the chunks, which let a
+/// thread slowed by the machine's neighbours hand rows to the other.
+const SMALL_SECTION_BYTES: usize = 2 << 20;
+
+/// Rows `[start, end)` of the joint row list of `mats` that thread `t` of
+/// `n` takes: contiguous, starting on multiples of [`ROW_ALIGN`], cut where
+/// the bytes of weights before them are `t / n` of all (matrices of
+/// different types have rows of different sizes: INT4 q and INT8 k/v).
+fn byte_share(mats: &[MatRef], t: usize, n: usize) -> std::ops::Range<usize> {
+    let total: usize = mats.iter().map(|m| m.rows).sum();
+    let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+    let bound = |i: usize| {
+        if i >= n {
+            return total;
+        }
+        let target = bytes * i / n;
+        let (mut before, mut offset) = (0, 0);
+        for m in mats {
+            let row_bytes = m.bytes() / m.rows.max(1);
+            if before + m.bytes() > target {
+                let row = offset + (target - before) / row_bytes.max(1);
+                return row.next_multiple_of(ROW_ALIGN).min(total);
+            }
+            before += m.bytes();
+            offset += m.rows;
+        }
+        total
+    };
+    bound(t)..bound(t + 1)
 }
 
 /// SwiGLU's first half in one pass: `out = silu(gate @ x) * (up @ x)`.
@@ -426,6 +468,41 @@ mod tests {
         let mut serial = vec![0.0; rows];
         matvec_with(Isa::active(), m, &x, &mut serial);
         assert_eq!(serial, par);
+    }
+
+    #[test]
+    fn byte_shares_cover_the_rows_once_balanced_by_bytes() {
+        let (q, k) = (vec![BlockQ4::ZERO; 96 * 4], vec![BlockQ8::ZERO; 32 * 4]);
+        // 96 INT4 rows of 72 bytes, then 32 INT8 rows of 136.
+        let mats = [MatRef::new(Weights::Int4(&q), 96, 128), MatRef::new(Weights::Int8(&k), 32, 128)];
+        for n in 1..=5 {
+            let shares: Vec<_> = (0..n).map(|t| byte_share(&mats, t, n)).collect();
+            assert_eq!(shares[0].start, 0);
+            assert_eq!(shares[n - 1].end, 128);
+            for (a, b) in shares.iter().zip(&shares[1..]) {
+                assert_eq!(a.end, b.start, "{n} threads: {shares:?}");
+                assert!(b.start.is_multiple_of(ROW_ALIGN) && a.start <= a.end);
+            }
+        }
+        // Two threads: half of the 11264 bytes is row 78 (the INT4 rows'
+        // 6912 bytes are more than half), aligned up to 80.
+        assert_eq!(byte_share(&mats, 0, 2), 0..80);
+        assert_eq!(byte_share(&mats, 1, 2), 80..128);
+    }
+
+    #[test]
+    fn large_products_take_the_chunks_and_equal_the_serial_product() {
+        let (rows, cols) = (1100, 512); // 2.25 MB of f32: above SMALL_SECTION_BYTES
+        assert!(rows * cols * 4 >= SMALL_SECTION_BYTES);
+        let (w, x) = (synth(rows * cols, 21), synth(cols, 22));
+        let m = MatRef::new(Weights::F32(&w), rows, cols);
+        let mut serial = vec![0.0; rows];
+        matvec_with(Isa::active(), m, &x, &mut serial);
+        for threads in [2, 3] {
+            let mut par = vec![0.0; rows];
+            matvecs(&ThreadPool::new(threads), &x, [(m, &mut par[..])]);
+            assert_eq!(serial, par);
+        }
     }
 
     #[test]
