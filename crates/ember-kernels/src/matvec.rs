@@ -248,13 +248,14 @@ pub fn matvecs<const N: usize>(pool: &ThreadPool, x: &[f32], jobs: [(MatRef, &mu
 /// Below this many bytes of weights, a mat-vec's rows are cut into one
 /// contiguous share per thread, balanced by bytes, instead of handed out in
 /// guided [`Chunks`]. Every chunk a thread starts restarts its four memory
-/// streams, and a small product is over before they pay off: o (0.85 MB of
-/// INT8), 2 threads, INT4 decoding on a Xeon (family 6 model 167), `ember
-/// bench --phases` alternated four times: 704–730 → 622–680 µs a token
-/// (71–81% → 77–90% of the read ceiling). q/k/v (0.69 MB) ran the same
-/// either way, as it did with the chunks' minimum at 32 or 128 rows (the
-/// latter slower for both). The big products keep the chunks, which let a
-/// thread slowed by the machine's neighbours hand rows to the other.
+/// streams, and a small product is over before they pay off. 2 threads of a
+/// Xeon (family 6 model 167), `ember bench --phases`, builds alternated
+/// three times: decoding INT4, o (0.85 MB of INT8) 696–744 → 667–677 µs a
+/// token and q/k/v (0.69 MB: INT4 q, INT8 k and v, hence shares by bytes)
+/// 672–690 → 637–671; INT8's o 735–740 → 690–701; BF16's o (1.6 MB) the
+/// same. The chunks' minimum at 32 or 128 rows instead was slower. The big
+/// products keep the chunks, which let a thread slowed by the machine's
+/// neighbours hand rows to the other.
 const SMALL_SECTION_BYTES: usize = 2 << 20;
 
 /// Rows `[start, end)` of the joint row list of `mats` that thread `t` of
