@@ -217,7 +217,7 @@ pub fn run(args: Args) -> Result<()> {
 /// One more `n`-token generation timed phase by phase, then a read of the
 /// weights: a row per phase.
 fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) -> Result<Vec<Row>> {
-    let (_, times) = bench::generation_phases(model, n)?;
+    let times = bench::generation_phases(model, n)?;
     let (bytes, d) = bench::weight_read(model);
     let read = bytes as f64 / d.as_secs_f64() / 1e9;
     let tokens = times.tokens.max(1) as f64;

@@ -32,28 +32,26 @@ pub fn prompt_processing(model: &Qwen2, n: usize, chunk: usize) -> Result<Durati
 /// Time to generate `n` tokens one at a time from an empty cache, computing
 /// the full logits at every step (as decoding does).
 pub fn generation(model: &Qwen2, n: usize) -> Result<Duration> {
-    let tokens = bench_tokens(model, n);
-    let mut state = model.new_state(n.max(1));
-    let start = Instant::now();
-    for &t in &tokens {
-        state.run(model, &[t], true)?;
-    }
-    Ok(start.elapsed())
+    decode(model, n, false).map(|(d, _)| d)
 }
 
 /// [`generation`] with its forward passes timed phase by phase
-/// ([`crate::qwen2::Phase`]): where a decoded token's time goes. The total
-/// includes the clock reads (a few hundred a token, well under 1% of it).
-pub fn generation_phases(model: &Qwen2, n: usize) -> Result<(Duration, PhaseTimes)> {
+/// ([`crate::qwen2::Phase`]): where a decoded token's time goes.
+pub fn generation_phases(model: &Qwen2, n: usize) -> Result<PhaseTimes> {
+    decode(model, n, true).map(|(_, times)| times.unwrap_or_default())
+}
+
+/// `n` tokens decoded one at a time from an empty cache: the time, and the
+/// phases' times when `phases`.
+fn decode(model: &Qwen2, n: usize, phases: bool) -> Result<(Duration, Option<PhaseTimes>)> {
     let tokens = bench_tokens(model, n);
     let mut state = model.new_state(n.max(1));
-    state.time_phases(true);
+    state.time_phases(phases);
     let start = Instant::now();
     for &t in &tokens {
         state.run(model, &[t], true)?;
     }
-    let elapsed = start.elapsed();
-    Ok((elapsed, state.phase_times().cloned().unwrap_or_default()))
+    Ok((start.elapsed(), state.phase_times().cloned()))
 }
 
 /// Time for `sequences` sequences to decode `n` tokens each together, each
