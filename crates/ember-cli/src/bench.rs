@@ -103,6 +103,12 @@ struct Row {
     /// With --phases: microseconds per decoded token spent in `phase`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     us_per_token: Option<f64>,
+    /// With --phases, on the products' rows: the read bandwidth over the
+    /// same weights read one forward-pass section at a time (each layer's
+    /// q/k/v, o, gate/up, down, then the LM head), what the sections
+    /// themselves leave of `read_gb_s`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    read_by_section_gb_s: Option<f64>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -218,8 +224,15 @@ pub fn run(args: Args) -> Result<()> {
 /// weights: a row per phase.
 fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) -> Result<Vec<Row>> {
     let times = bench::generation_phases(model, n)?;
-    let (bytes, d) = bench::weight_read(model);
-    let read = bytes as f64 / d.as_secs_f64() / 1e9;
+    // The one-pass ceiling, and the same bytes read a section at a time:
+    // alternated, medians (the bandwidth drifts on a shared machine).
+    let rate = |(bytes, d): (usize, std::time::Duration)| bytes as f64 / d.as_secs_f64() / 1e9;
+    let (mut whole, mut by_section) = (Vec::new(), Vec::new());
+    for _ in 0..SECTION_READS {
+        whole.push(rate(bench::weight_read(model)));
+        by_section.push(rate(bench::weight_read_by_section(model)));
+    }
+    let (read, read_by_section) = (median(&whole), median(&by_section));
     let tokens = times.tokens.max(1) as f64;
     let rows = ember_model::advanced::Phase::ALL.iter().map(|&p| {
         let per_token = times.get(p).as_secs_f64() / tokens;
@@ -232,11 +245,16 @@ fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) ->
             r.gb_s = Some(gb);
             r.read_gb_s = Some(read);
             r.read_pct = Some(100.0 * gb / read);
+            r.read_by_section_gb_s = Some(read_by_section);
         }
         r
     });
     Ok(rows.collect())
 }
+
+/// Reads of the weights in one pass and a section at a time that
+/// `--phases` alternates (medians).
+const SECTION_READS: usize = 3;
 
 /// Runs `ember bench` for one thread count in a child process.
 fn child(args: &Args, dir: &std::path::Path, threads: usize) -> Result<Vec<Row>> {
@@ -293,6 +311,7 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         ttft_ms: None,
         phase: None,
         us_per_token: None,
+        read_by_section_gb_s: None,
     }
 }
 
@@ -355,7 +374,13 @@ fn print_phases(rows: &[&Row]) {
     for (test, threads) in tests {
         let of: Vec<&&Row> = rows.iter().filter(|r| r.test == test && r.threads == threads).collect();
         let total: f64 = of.iter().filter_map(|r| r.us_per_token).sum();
-        let read = of.iter().find_map(|r| r.read_gb_s).map_or(String::new(), |g| format!(", read ceiling {g:.1} GB/s"));
+        let read = match (of.iter().find_map(|r| r.read_gb_s), of.iter().find_map(|r| r.read_by_section_gb_s)) {
+            (Some(g), Some(s)) => {
+                format!(", read ceiling {g:.1} GB/s in one pass, {s:.1} a section at a time ({:.0}%)", 100.0 * s / g)
+            }
+            (Some(g), None) => format!(", read ceiling {g:.1} GB/s"),
+            _ => String::new(),
+        };
         println!();
         let plural = if threads == 1 { "" } else { "s" };
         println!("phases of {test}, {threads} thread{plural} (one more generation, timed per phase{read}):");

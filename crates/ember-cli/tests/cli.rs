@@ -487,8 +487,11 @@ fn bench_phases_time_every_part_of_a_decoded_token() {
         let product = !matches!(r["phase"].as_str(), Some("embed" | "attention"));
         assert_eq!(r["read_pct"].is_number(), product, "{r}");
         assert_eq!(r["gb_s"].is_number(), product, "{r}");
+        // Beside the one-pass ceiling, the same bytes read a section at a time.
+        assert_eq!(r["read_by_section_gb_s"].as_f64().is_some_and(|g| g > 0.0), product, "{r}");
     }
     let text = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--phases"]);
     let text = String::from_utf8(text.stdout).unwrap();
     assert!(text.contains("phases of tg4, 1 thread (") && text.contains("| lm head"), "{text}");
+    assert!(text.contains(" GB/s in one pass, ") && text.contains(" a section at a time ("), "{text}");
 }

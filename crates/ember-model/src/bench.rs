@@ -86,20 +86,48 @@ pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize,
     Ok(start.elapsed())
 }
 
+/// The weights a decoded token streams, one group per parallel section of
+/// its forward pass, in the order it reads them: each layer's q/k/v, o,
+/// gate/up and down, then the LM head.
+fn sections(model: &Qwen2) -> Vec<Vec<&[u8]>> {
+    let mut groups = Vec::with_capacity(4 * model.layers.len() + 1);
+    for l in &model.layers {
+        let [q, k, v, o, gate, up, down] = l.matrices().map(|p| p.weight.as_bytes());
+        groups.extend([vec![q, k, v], vec![o], vec![gate, up], vec![down]]);
+    }
+    groups.push(vec![model.lm_head.as_bytes()]);
+    groups
+}
+
 /// Reads every weight of the model once with the global pool, as fast as the
 /// memory allows, and returns (bytes read, time). This is the ceiling a
 /// decoder streaming the same bytes can approach.
 pub fn weight_read(model: &Qwen2) -> (usize, Duration) {
-    let mut slices: Vec<&[u8]> = Vec::new();
-    for l in &model.layers {
-        for p in l.matrices() {
-            slices.push(p.weight.as_bytes());
-        }
-    }
-    slices.push(model.lm_head.as_bytes());
+    let slices: Vec<&[u8]> = sections(model).concat();
     let bytes = slices.iter().map(|s| s.len()).sum();
     let start = Instant::now();
     let sum = ember_kernels::bandwidth::read_all(ember_kernels::pool::global(), &slices);
+    let elapsed = start.elapsed();
+    std::hint::black_box(sum);
+    (bytes, elapsed)
+}
+
+/// [`weight_read`] one section at a time: the same bytes read by one
+/// parallel read per section of a decoded token's forward pass (each
+/// layer's q/k/v, o, gate/up, down; the LM head), each started once the one
+/// before has ended, as the decoder's products are. What the memory gives a
+/// stream cut into those sections, with no arithmetic and nothing serial
+/// between them: how much of the one-pass ceiling the sections themselves
+/// cost (each a start and an end for every thread).
+pub fn weight_read_by_section(model: &Qwen2) -> (usize, Duration) {
+    let groups = sections(model);
+    let bytes = groups.iter().flatten().map(|s| s.len()).sum();
+    let pool = ember_kernels::pool::global();
+    let start = Instant::now();
+    let mut sum = 0u64;
+    for g in &groups {
+        sum = sum.wrapping_add(ember_kernels::bandwidth::read_all(pool, g));
+    }
     let elapsed = start.elapsed();
     std::hint::black_box(sum);
     (bytes, elapsed)

@@ -380,6 +380,10 @@ fn phases_are_timed_only_when_asked_and_cover_the_forward_pass() {
     let streamed: usize = Phase::ALL.iter().map(|&p| model.phase_bytes(p)).sum();
     assert_eq!(streamed, model.weight_bytes_per_token());
     assert!(Phase::ALL.iter().filter(|&&p| model.phase_bytes(p) > 0).count() == 5, "the five products stream weights");
+    // The read probes, in one pass and a section at a time, read those bytes.
+    use ember_model::advanced::bench::{weight_read, weight_read_by_section};
+    assert_eq!(weight_read(&model).0, streamed);
+    assert_eq!(weight_read_by_section(&model).0, streamed);
 
     let mut state = model.new_state(16);
     state.run(&model, &[1, 2, 3], true).unwrap();
