@@ -226,14 +226,11 @@ fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) ->
     let times = bench::generation_phases(model, n)?;
     // The one-pass ceiling, and the same bytes read a section at a time:
     // alternated, the fastest of each (as `ceiling`).
-    let rate = |(bytes, d): (usize, std::time::Duration)| bytes as f64 / d.as_secs_f64() / 1e9;
-    let (mut whole, mut by_section) = (Vec::new(), Vec::new());
+    let (mut read, mut read_by_section) = (0.0f64, 0.0f64);
     for _ in 0..SECTION_READS {
-        whole.push(rate(bench::weight_read(model)));
-        by_section.push(rate(bench::weight_read_by_section(model)));
+        read = read.max(gb_s(bench::weight_read(model)));
+        read_by_section = read_by_section.max(gb_s(bench::weight_read_by_section(model)));
     }
-    let fastest = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (read, read_by_section) = (fastest(&whole), fastest(&by_section));
     let tokens = times.tokens.max(1) as f64;
     let rows = ember_model::advanced::Phase::ALL.iter().map(|&p| {
         let per_token = times.get(p).as_secs_f64() / tokens;
@@ -337,12 +334,12 @@ const CEILING_READS: usize = 2;
 /// The read ceiling over the model's weights, in GB/s: the fastest of
 /// [`CEILING_READS`] reads.
 fn ceiling(model: &ember_model::advanced::Qwen2) -> f64 {
-    (0..CEILING_READS)
-        .map(|_| {
-            let (bytes, d) = bench::weight_read(model);
-            bytes as f64 / d.as_secs_f64() / 1e9
-        })
-        .fold(0.0, f64::max)
+    (0..CEILING_READS).map(|_| gb_s(bench::weight_read(model))).fold(0.0, f64::max)
+}
+
+/// A read probe's (bytes, time) as GB/s.
+fn gb_s((bytes, d): (usize, std::time::Duration)) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
 }
 
 fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Option<usize>) -> Result<()> {
