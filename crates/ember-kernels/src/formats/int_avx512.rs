@@ -25,11 +25,8 @@
 use super::act::{BlockA8, BlockA8x4};
 use super::int4::BlockQ4;
 use super::int8::BlockQ8;
-use super::int_avx2::scale_pairs;
+use super::int_avx2::{prefetch_step, scale_pairs};
 use std::arch::x86_64::*;
-
-/// How far ahead each row is prefetched, in bytes (as the AVX2 kernels).
-const PREFETCH_AHEAD: usize = 2048;
 
 /// Two activation blocks as one step's operands for INT8, whose codes the
 /// kernel makes unsigned (`q + 128`: offset 128).
@@ -188,10 +185,7 @@ macro_rules! kernels {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
                         if i % 4 == 0 {
-                            // One prefetch per 72 bytes: about one per cache line.
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                (blocks[0] as *const BlockQ4 as *const i8).wrapping_add(PREFETCH_AHEAD),
-                            );
+                            prefetch_step(blocks[0] as *const BlockQ4 as *const u8, 4 * std::mem::size_of::<BlockQ4>());
                         }
                         let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
@@ -246,10 +240,7 @@ macro_rules! kernels {
                     for k in 0..R {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
-                        // One prefetch per 72 bytes: about one per cache line.
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            (blocks[0] as *const BlockQ4 as *const i8).wrapping_add(PREFETCH_AHEAD),
-                        );
+                        prefetch_step(blocks[0] as *const BlockQ4 as *const u8, 4 * std::mem::size_of::<BlockQ4>());
                         let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
@@ -324,8 +315,7 @@ pub mod vnni8 {
             let d = widen_scales(scale_pairs(&w, i, j, p.d));
             for k in 0..R {
                 let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
-                // One prefetch per 68 bytes: about one per cache line.
-                _mm_prefetch::<_MM_HINT_T0>((b0 as *const BlockQ8 as *const i8).wrapping_add(PREFETCH_AHEAD));
+                prefetch_step(b0 as *const BlockQ8 as *const u8, 2 * std::mem::size_of::<BlockQ8>());
                 let s = _mm512_dpbusd_epi32(p.start, codes8(b0, b1), p.x);
                 acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), row_scales(d, k), acc[k]);
             }
