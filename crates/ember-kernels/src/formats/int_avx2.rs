@@ -45,22 +45,27 @@ pub(super) unsafe fn scale(d: half::f16) -> f32 {
 pub(super) const PREFETCH_AHEAD: usize = 2048;
 
 /// Prefetches into L1, [`PREFETCH_AHEAD`] bytes on, the cache lines of one
-/// step of a row: the `step` bytes from `at`, at most 64 + 1 of them, so
-/// the lines of its first and its last byte. The INT8 and INT4 kernels
-/// consume 68 and 72 bytes a step; one prefetch at each step's start
-/// advanced 68 or 72 bytes at a time and so jumped over one line in 17 or
-/// in 9, which the kernel then waited for from memory. Emerald Rapids with
-/// AMX, one thread, 1 GB of 896-column INT4 rows: 86–89% of a plain read
-/// of the same bytes with one prefetch a step, 90–96% with both.
+/// step of a row: the line of `at` and the line after it. Called once for
+/// each of a row's consecutive steps of `step` bytes (at most two lines'
+/// worth, 128), that covers every line of the row: a step starts in the
+/// line after the last one's first or in the one after that, and both
+/// were prefetched. The INT8 and INT4 kernels consume 68 and 72 bytes a
+/// step; one prefetch at each step's start advanced 68 or 72 bytes at a
+/// time and so jumped over one line in 17 or in 9, which the kernel then
+/// waited for from memory. (Prefetching a step's first and last byte is
+/// not enough: 68 bytes starting in a line's last three span three lines.)
+/// Emerald Rapids with AMX, one thread, 1 GB of 896-column INT4 rows:
+/// 86–89% of a plain read of the same bytes with one prefetch a step,
+/// 90–96% with two.
 #[inline(always)]
 pub(super) fn prefetch_step(at: *const u8, step: usize) {
-    debug_assert!((1..=65).contains(&step));
+    debug_assert!((1..=128).contains(&step));
     let ahead = at.wrapping_add(PREFETCH_AHEAD) as *const i8;
     // SAFETY: a prefetch is a hint that never faults (any address); SSE is
     // baseline on x86-64.
     unsafe {
         _mm_prefetch::<_MM_HINT_T0>(ahead);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(step - 1));
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
     }
 }
 
