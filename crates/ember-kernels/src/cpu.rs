@@ -328,6 +328,34 @@ fn detect_amx() -> Features {
     Features::NONE
 }
 
+/// Which cache a [`prefetch`] brings lines into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cache {
+    L1,
+    L2,
+}
+
+/// Asks for every cache line of `bytes` to be brought into `into` (a hint;
+/// nothing on other architectures).
+#[inline]
+pub(crate) fn prefetch(bytes: &[u8], into: Cache) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let p = line.as_ptr() as *const i8;
+        // SAFETY: a prefetch is a hint that never faults; SSE is baseline
+        // on x86-64.
+        unsafe {
+            match into {
+                Cache::L1 => _mm_prefetch::<_MM_HINT_T0>(p),
+                Cache::L2 => _mm_prefetch::<_MM_HINT_T1>(p),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, into);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

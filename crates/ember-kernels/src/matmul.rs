@@ -23,7 +23,7 @@
 //! panel meets stay in L2.
 
 use crate::amx;
-use crate::cpu::{Isa, Tier};
+use crate::cpu::{prefetch, Cache, Isa, Tier};
 use crate::dot::dot_f32_scalar;
 use crate::formats::with_weights;
 use crate::formats::{MatRef, Weights};
@@ -158,7 +158,7 @@ fn matmul_rows(isa: Isa, w: MatRef, rows: std::ops::Range<usize>, x: &[f32], out
                             };
                         }
                     }
-                    prefetch(next.get(call * share..((call + 1) * share).min(next.len())).unwrap_or(&[]));
+                    prefetch(next.get(call * share..((call + 1) * share).min(next.len())).unwrap_or(&[]), Cache::L2);
                     call += 1;
                     t0 += nr;
                 }
@@ -544,18 +544,6 @@ fn split_for_few(x: &[f32], cols: usize, span: std::ops::Range<usize>, width: us
         xp.extend_from_slice(&x[j * cols + span.start + whole..j * cols + span.end]);
     }
     start
-}
-
-/// Asks for `bytes` to be brought into L2 (a hint; nothing elsewhere).
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: a prefetch is a hint that never faults; SSE is baseline
-        // on x86-64.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
 /// `acc[i][j] = panel[i] · xs[j]` for `i < mr`, `j < nr`.

@@ -5,10 +5,10 @@
 //! whole engine is the speed of this loop. Rows are split into one coarse,
 //! contiguous share per thread of a [`ThreadPool`].
 
-use crate::cpu::Isa;
+use crate::cpu::{prefetch, Cache, Isa};
 use crate::formats::{
     quads_of, quantize_activations, quantize_activations_k, with_weights, ActType, Activation, Acts, BlockA8, BlockA8K,
-    BlockA8x4, Format, MatRef, QK_A8, QK_A8K,
+    BlockA8x4, Format, MatRef, PREFETCH_AHEAD, QK_A8, QK_A8K,
 };
 use crate::ops::silu_mul_with;
 use crate::pool::{self, Chunks, SharedMut, ThreadPool};
@@ -127,32 +127,22 @@ fn rows_of<F: Format>(isa: Isa, data: &[F::Block], cols: usize, x: &[F::Act], qu
     }
 }
 
-/// Bytes of each of the four row streams prefetched when a run of rows
-/// starts. The INT8 and INT4 kernels prefetch this far ahead as they go,
-/// so without it the first stretch of every stream is read on demand (a
-/// small section's share starts three runs, q, k and v; a big product's
-/// guided chunks each start one). Emerald Rapids with AMX, 2 threads,
-/// `ember bench -p 0 -n 64 -r 5` with and without, alternated: INT4 tg64
-/// 20 pairs, median ratio 1.015 (ahead in 12), shares of read 92% vs
-/// 91.5%; INT8 5 pairs 1.035; BF16 4 pairs 1.00 (its kernels prefetch
-/// 4 KB ahead). Small, but never behind over the pairs' medians.
-const WARM_BYTES: usize = 2048;
-
-/// Prefetches the first [`WARM_BYTES`] of each of four row streams (at
-/// most their length), one line at a time.
+/// Prefetches into L1 the first [`PREFETCH_AHEAD`] bytes of each of four
+/// row streams (at most their length) when a run of rows starts. The INT8
+/// and INT4 kernels prefetch that far ahead as they go, so without it the
+/// first stretch of every stream is read on demand (a small section's share
+/// starts three runs, q, k and v; a big product's guided chunks each start
+/// one). Emerald Rapids with AMX, 2 threads, `ember bench -p 0 -n 64 -r 5`
+/// with and without, alternated: INT4 tg64 20 pairs, median ratio 1.015
+/// (ahead in 12), shares of read 92% vs 91.5%; INT8 5 pairs 1.035; BF16 4
+/// pairs 1.00 (its kernels prefetch 4 KB ahead). Small, but never behind
+/// over the pairs' medians.
 #[inline]
-fn warm_streams<T>(streams: [&[T]; 4]) {
-    #[cfg(target_arch = "x86_64")]
+fn warm_streams<T: bytemuck::Pod>(streams: [&[T]; 4]) {
     for s in streams {
-        let bytes = std::mem::size_of_val(s).min(WARM_BYTES);
-        let p = s.as_ptr() as *const i8;
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch never faults; the address is inside `s`.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off)) };
-        }
+        let bytes: &[u8] = bytemuck::cast_slice(s);
+        prefetch(&bytes[..bytes.len().min(PREFETCH_AHEAD)], Cache::L1);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = streams;
 }
 
 /// A tier's row kernels for one weight type, bound to the activations of

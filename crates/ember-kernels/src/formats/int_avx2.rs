@@ -6,6 +6,7 @@ use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
 use super::int4::BlockQ4;
 use super::int8::BlockQ8;
+use super::PREFETCH_AHEAD;
 use std::arch::x86_64::*;
 
 /// Σ over 32 lanes of `w · x` as 8 i32 partial sums, signed × signed.
@@ -40,9 +41,6 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
 pub(super) unsafe fn scale(d: half::f16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32)))
 }
-
-/// How far ahead the next blocks of each row are prefetched, in bytes.
-pub(super) const PREFETCH_AHEAD: usize = 2048;
 
 /// Prefetches into L1, [`PREFETCH_AHEAD`] bytes on, the cache lines of one
 /// step of a row: the line of `at` and the line after it. Called once for

@@ -15,13 +15,14 @@
 //! FMA and F16C; an `Isa` of the AVX2 tier or above is the proof.
 
 use super::act::BlockA8K;
-use super::int_avx2::{hsum, scale, PREFETCH_AHEAD};
+use super::int_avx2::{hsum, scale};
 use super::kq::scale_min_k4;
 use super::q2_k::BlockQ2K;
 use super::q3_k::BlockQ3K;
 use super::q4_k::BlockQ4K;
 use super::q5_k::BlockQ5K;
 use super::q6_k::BlockQ6K;
+use super::PREFETCH_AHEAD;
 use std::arch::x86_64::*;
 
 #[inline]

@@ -9,10 +9,11 @@
 //! `Isa` of the AVX2 tier or above is the proof.
 
 use super::act::{BlockA8, QK_A8 as QK};
-use super::int_avx2::{hsum, nibbles, scale, store_scaled, PREFETCH_AHEAD};
+use super::int_avx2::{hsum, nibbles, scale, store_scaled};
 use super::q4_1::BlockQ4_1;
 use super::q5_0::BlockQ5_0;
 use super::q5_1::BlockQ5_1;
+use super::PREFETCH_AHEAD;
 use std::arch::x86_64::*;
 
 /// Byte `j` = 16 where bit `j` of `qh` (little-endian) is set, else 0.

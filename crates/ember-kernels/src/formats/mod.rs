@@ -38,6 +38,10 @@
 //! [`Weights`], one line in each macro.
 
 mod act;
+
+/// How far ahead the block formats' mat-vec kernels (INT8, INT4, the GGUF
+/// types) prefetch each row as they go, in bytes.
+pub(crate) const PREFETCH_AHEAD: usize = 2048;
 pub(crate) mod float;
 mod int4;
 mod int8;
