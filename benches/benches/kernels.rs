@@ -18,7 +18,7 @@ fn values(n: usize) -> Vec<f32> {
 }
 
 fn bench_matvec(c: &mut Criterion) {
-    use ember_kernels::formats::{BlockQ4, BlockQ8, Format, Int4, Int8};
+    use ember_kernels::formats::{BlockQ4, BlockQ5_0, BlockQ8, Format, Int4, Int8, Q5_0};
     for (rows, cols) in SHAPES {
         let w = values(rows * cols);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -29,6 +29,10 @@ fn bench_matvec(c: &mut Criterion) {
         let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
         Int8::quantize_row(&w, &mut q8);
         Int4::quantize_row(&w, &mut q4);
+        // ggml's Q5_0, as GGUF files carry it (Q4_K_M files of this model too,
+        // for the matrices whose rows are not whole 256-weight super-blocks).
+        let mut q5 = vec![BlockQ5_0::ZERO; rows * cols / 32];
+        Q5_0::quantize_row(&w, &mut q5);
         let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
         for (name, weights) in [
             ("f32", Weights::F32(&w)),
@@ -36,6 +40,7 @@ fn bench_matvec(c: &mut Criterion) {
             ("f16", Weights::F16(&wh)),
             ("int8", Weights::Int8(&q8)),
             ("int4", Weights::Int4(&q4)),
+            ("q5_0", Weights::Q5_0(&q5)),
         ] {
             let m = MatRef::new(weights, rows, cols);
             group.throughput(Throughput::Bytes(m.bytes() as u64));

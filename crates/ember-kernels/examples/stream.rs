@@ -1,8 +1,8 @@
-//! One thread streaming 1 GB of INT4 and of INT8 rows from memory through
-//! the active tier's mat-vec kernels, against a plain read of the same
-//! bytes: how close the kernels come to the memory bus on their own, with
-//! no threads, sections or serial work around them (what `ember bench`'s
-//! decode rows mix together).
+//! One thread streaming 1 GB of INT4, INT8 and Q5_0 rows from memory
+//! through the active tier's mat-vec kernels, against a plain read of the
+//! same bytes: how close the kernels come to the memory bus on their own,
+//! with no threads, sections or serial work around them (what `ember
+//! bench`'s decode rows mix together).
 //!
 //!     cargo run --release -p ember-kernels --example stream -- [COLS] [ROUNDS]
 //!
@@ -10,11 +10,34 @@
 //! rows are short, 504 bytes in INT4). `EMBER_ISA` picks the tier.
 
 use ember_kernels::bandwidth::sum_words_with;
-use ember_kernels::formats::{BlockQ4, BlockQ8};
+use ember_kernels::formats::{BlockQ4, BlockQ5_0, BlockQ8};
 use ember_kernels::{f16, matvec_with, Isa, MatRef, Weights};
 use std::time::Instant;
 
 const BYTES: usize = 1 << 30;
+
+/// One type's matrix of about [`BYTES`], its rows of `cols` weights.
+struct Stream {
+    name: &'static str,
+    bytes: Vec<u8>,
+    rows: usize,
+    wrap: fn(&[u8]) -> Weights<'_>,
+    shares: Vec<f64>,
+}
+
+impl Stream {
+    fn new<B: bytemuck::Pod>(
+        name: &'static str,
+        cols: usize,
+        block: impl Fn(usize) -> B,
+        wrap: fn(&[u8]) -> Weights<'_>,
+    ) -> Stream {
+        let per_row = cols / 32 * std::mem::size_of::<B>();
+        let rows = BYTES / per_row;
+        let blocks: Vec<B> = (0..rows * cols / 32).map(block).collect();
+        Stream { name, bytes: bytemuck::cast_slice(&blocks).to_vec(), rows, wrap, shares: Vec::new() }
+    }
+}
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("COLS and ROUNDS are numbers"));
@@ -24,43 +47,50 @@ fn main() {
     let isa = Isa::active();
     let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
     let d = f16::from_f32(0.01);
-    let blocks = cols / 32;
-    let rows4 = BYTES / (blocks * std::mem::size_of::<BlockQ4>());
-    let q4: Vec<BlockQ4> = (0..rows4 * blocks).map(|i| BlockQ4 { d, qs: [(i * 37) as u8; 16] }).collect();
-    let rows8 = BYTES / (blocks * std::mem::size_of::<BlockQ8>());
-    let q8: Vec<BlockQ8> = (0..rows8 * blocks).map(|i| BlockQ8 { d, qs: [(i % 101) as i8 - 50; 32] }).collect();
-    let (b4, b8): (&[u8], &[u8]) = (bytemuck::cast_slice(&q4), bytemuck::cast_slice(&q8));
-    let (m4, m8) = (MatRef::new(Weights::Int4(&q4), rows4, cols), MatRef::new(Weights::Int8(&q8), rows8, cols));
-    let (mut y4, mut y8) = (vec![0.0; rows4], vec![0.0; rows8]);
-    let gb_s = |bytes: usize, t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let mut streams = [
+        Stream::new(
+            "INT4",
+            cols,
+            |i| BlockQ4 { d, qs: [(i * 37) as u8; 16] },
+            |b| Weights::Int4(bytemuck::cast_slice(b)),
+        ),
+        Stream::new(
+            "INT8",
+            cols,
+            |i| BlockQ8 { d, qs: [(i % 101) as i8 - 50; 32] },
+            |b| Weights::Int8(bytemuck::cast_slice(b)),
+        ),
+        Stream::new(
+            "Q5_0",
+            cols,
+            |i| BlockQ5_0 { d, qh: (i as u32).wrapping_mul(2654435761).to_le_bytes(), qs: [(i * 37) as u8; 16] },
+            |b| Weights::Q5_0(bytemuck::cast_slice(b)),
+        ),
+    ];
     println!("tier {}, {cols} columns, 1 thread, {} MB a pass", isa.name(), BYTES >> 20);
-    let (mut int4, mut int8) = (Vec::new(), Vec::new());
+    let gb_s = |bytes: usize, t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
     for round in 0..rounds {
-        // Each kernel against a read right before it, so both see the
-        // machine in the same state.
-        let t = Instant::now();
-        std::hint::black_box(sum_words_with(isa, b4));
-        let read4 = gb_s(b4.len(), t);
-        let t = Instant::now();
-        matvec_with(isa, m4, &x, &mut y4);
-        let k4 = gb_s(b4.len(), t);
-        let t = Instant::now();
-        std::hint::black_box(sum_words_with(isa, b8));
-        let read8 = gb_s(b8.len(), t);
-        let t = Instant::now();
-        matvec_with(isa, m8, &x, &mut y8);
-        let k8 = gb_s(b8.len(), t);
-        println!(
-            "round {round}: INT4 {k4:.1} GB/s ({:.0}% of a read at {read4:.1}), INT8 {k8:.1} ({:.0}% of {read8:.1})",
-            100.0 * k4 / read4,
-            100.0 * k8 / read8
-        );
-        int4.push(k4 / read4);
-        int8.push(k8 / read8);
+        let mut line = format!("round {round}:");
+        for s in &mut streams {
+            // Each kernel against a read right before it, so both see the
+            // machine in the same state.
+            let t = Instant::now();
+            std::hint::black_box(sum_words_with(isa, &s.bytes));
+            let read = gb_s(s.bytes.len(), t);
+            let mut y = vec![0.0; s.rows];
+            let m = MatRef::new((s.wrap)(&s.bytes), s.rows, cols);
+            let t = Instant::now();
+            matvec_with(isa, m, &x, &mut y);
+            let k = gb_s(s.bytes.len(), t);
+            line += &format!(" {} {k:.1} GB/s ({:.0}% of {read:.1}),", s.name, 100.0 * k / read);
+            s.shares.push(k / read);
+        }
+        println!("{}", line.trim_end_matches(','));
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    println!("median: INT4 {:.0}% of a read, INT8 {:.0}%", 100.0 * median(&mut int4), 100.0 * median(&mut int8));
+    let mut line = "median:".to_string();
+    for s in &mut streams {
+        s.shares.sort_by(f64::total_cmp);
+        line += &format!(" {} {:.0}% of a read,", s.name, 100.0 * s.shares[s.shares.len() / 2]);
+    }
+    println!("{}", line.trim_end_matches(','));
 }

@@ -6,7 +6,9 @@
 //! Σx`) or minimum (`m · d_x · Σx`) is a scalar per block. Dequantizing
 //! rounds as the reference does (a product, then the minimum added), so it
 //! is bit for bit the same. Each kernel requires AVX2, FMA and F16C; an
-//! `Isa` of the AVX2 tier or above is the proof.
+//! `Isa` of the AVX2 tier or above is the proof. (Q5_0 decodes with these
+//! on the AVX2 tiers only; the AVX-512 tiers take four blocks a register,
+//! [`super::int_avx512`].)
 
 use super::act::{BlockA8, QK_A8 as QK};
 use super::int_avx2::{hsum, nibbles, scale, store_scaled};

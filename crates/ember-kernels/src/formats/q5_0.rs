@@ -111,7 +111,29 @@ impl Format for Q5_0 {
         Some(Codes { d: b.d.to_f32(), u: codes5(b.qh, &b.qs), offset: 16 })
     }
 
+    /// AVX2 tiers: a block at a time (`legacy_avx2`); AVX-512 tiers: four
+    /// blocks per register, as INT4's kernels (`int_avx512`).
     fn kernels(tier: Tier) -> Kernels<Q5_0> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = |dot, rows4, rows4_quads| Kernels {
+                dot,
+                rows4,
+                rows4_quads: Some(rows4_quads),
+                dequantize: super::legacy_avx2::dequantize_q5_0,
+            };
+            match tier {
+                Tier::Avx512 => {
+                    use super::int_avx512::bw as k;
+                    return avx512(k::dot_q5_0, k::rows4_q5_0, k::rows4_q5_0_quads);
+                }
+                Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+                    use super::int_avx512::vnni as k;
+                    return avx512(k::dot_q5_0, k::rows4_q5_0, k::rows4_q5_0_quads);
+                }
+                _ => {}
+            }
+        }
         x86_kernels!(tier, legacy_avx2, dot_q5_0, rows4_q5_0, dequantize_q5_0)
     }
 }
