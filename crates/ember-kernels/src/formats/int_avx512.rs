@@ -139,10 +139,31 @@ unsafe fn quad(x: &[BlockA8], i: usize) -> Quad {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn qs4(b: [&BlockQ4; 4]) -> __m512i {
-    let load = |k: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(b[k].qs.as_ptr() as *const __m128i));
+    lanes4(b.map(|b| b.qs.as_ptr()))
+}
+
+/// The 16 bytes at each of `at`, one per 128-bit lane (see [`qs4`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn lanes4(at: [*const u8; 4]) -> __m512i {
+    let load = |k: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(at[k] as *const __m128i));
     let (b02, b13) =
         (_mm512_mask_blend_epi32(0xff00, load(0), load(2)), _mm512_mask_blend_epi32(0xff00, load(1), load(3)));
     _mm512_mask_blend_epi32(0xf0f0, b02, b13)
+}
+
+/// Four values over their 128-bit lanes: `v[b]` in lanes `4b..4b + 4`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn spread4(v: __m128) -> __m512 {
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v))
+}
+
+/// The blocks of the four-block step at block `i` of a row of `n`: past the
+/// end, the last block again (its activations are zero, so it adds nothing).
+#[inline(always)]
+fn step_blocks(i: usize, n: usize) -> [usize; 4] {
+    [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)]
 }
 
 /// Four blocks' `d_w · d_x`, each over its 128-bit lane.
@@ -154,7 +175,7 @@ unsafe fn scales4(d: [half::f16; 4], dx: __m128) -> __m512 {
     let h = _mm_insert_epi16::<2>(h, d[2].to_bits() as i32);
     let h = _mm_insert_epi16::<3>(h, d[3].to_bits() as i32);
     let s = _mm_mul_ps(_mm_cvtph_ps(h), dx);
-    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(s))
+    spread4(s)
 }
 
 /// Two INT8 blocks' bytes as unsigned codes `q + 128`.
@@ -164,27 +185,6 @@ unsafe fn codes8(b0: &BlockQ8, b1: &BlockQ8) -> __m512i {
     let lo = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);
     let hi = _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i);
     _mm512_xor_si512(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), _mm512_set1_epi8(-128))
-}
-
-/// Four Q5_0 blocks' first 16 bytes (scale, fifth bits, ten code bytes),
-/// one block per 128-bit lane, loaded as [`qs4`] loads the codes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn heads4(b: [&BlockQ5_0; 4]) -> __m512i {
-    let load = |k: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(b[k] as *const BlockQ5_0 as *const __m128i));
-    let (b02, b13) =
-        (_mm512_mask_blend_epi32(0xff00, load(0), load(2)), _mm512_mask_blend_epi32(0xff00, load(1), load(3)));
-    _mm512_mask_blend_epi32(0xf0f0, b02, b13)
-}
-
-/// Four Q5_0 blocks' 16 code bytes, one block per 128-bit lane.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn qs5(b: [&BlockQ5_0; 4]) -> __m512i {
-    let load = |k: usize| _mm512_broadcast_i32x4(_mm_loadu_si128(b[k].qs.as_ptr() as *const __m128i));
-    let (b02, b13) =
-        (_mm512_mask_blend_epi32(0xff00, load(0), load(2)), _mm512_mask_blend_epi32(0xff00, load(1), load(3)));
-    _mm512_mask_blend_epi32(0xf0f0, b02, b13)
 }
 
 /// The constants of the Q5_0 step: which byte of a lane's head each code
@@ -200,8 +200,8 @@ struct Q5Consts {
     /// Word indices for `vpermt2w` over a whole step's 88 bytes (bytes
     /// 0..64, then bytes 24..88): the codes of block b into lane b ...
     qs_words: __m512i,
-    /// ... and its scale and `qh` into lane b's first three words (as
-    /// [`heads4`] puts them).
+    /// ... and its scale and `qh` into lane b's first three words (where a
+    /// block's first 16 bytes put them).
     head_words: __m512i,
 }
 
@@ -293,8 +293,7 @@ macro_rules! kernels {
                 let mut i = 0;
                 while i < n {
                     let q = quad(x, i);
-                    // Past the end, repeat the last block (its activations are zero).
-                    let b = [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)];
+                    let b = step_blocks(i, n);
                     for k in 0..R {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
@@ -340,7 +339,6 @@ macro_rules! kernels {
                 // block's 128-bit lane once widened).
                 let picks: [i16; 32] = std::array::from_fn(|t| if t < 16 { 9 * (t / 4) as i16 } else { 0 });
                 let picks = _mm512_loadu_si512(picks.as_ptr() as *const _);
-                let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
                 for (m, q) in x.iter().enumerate() {
                     let i = 4 * m;
                     let whole = i + 4 <= n;
@@ -348,9 +346,8 @@ macro_rules! kernels {
                         (_mm512_load_si512(q.lo.as_ptr() as *const _), _mm512_load_si512(q.hi.as_ptr() as *const _));
                     let start = _mm512_load_si512(q.start.as_ptr() as *const _);
                     let dx = _mm_loadu_ps(q.d.as_ptr());
-                    let dx16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dx));
-                    // Past the end, repeat the last block (its activations are zero).
-                    let b = [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)];
+                    let dx16 = spread4(dx);
+                    let b = step_blocks(i, n);
                     for k in 0..R {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
@@ -410,7 +407,11 @@ macro_rules! kernels {
                             _mm512_permutex2var_epi16(first, c.qs_words, last),
                         )
                     } else {
-                        (heads4(blocks), qs5(blocks))
+                        // Each block's first 16 bytes (scale, `qh`, ten code bytes), and its codes.
+                        (
+                            lanes4(blocks.map(|b| b as *const BlockQ5_0 as *const u8)),
+                            lanes4(blocks.map(|b| b.qs.as_ptr())),
+                        )
                     };
                     let lo = _mm512_and_si512(bytes, nibble);
                     let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
@@ -432,14 +433,12 @@ macro_rules! kernels {
             unsafe fn rows_q5<const R: usize>(w: [&[BlockQ5_0]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = x.len();
                 let c = q5_consts();
-                let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
                 let mut acc = [_mm512_setzero_ps(); R];
                 let mut i = 0;
                 while i < n {
                     let q = quad(x, i);
-                    let dx16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(q.d));
-                    // Past the end, repeat the last block (its activations are zero).
-                    let b = [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)];
+                    let dx16 = spread4(q.d);
+                    let b = step_blocks(i, n);
                     step_q5(&w, b, (q.lo, q.hi, q.start, dx16), &c, &mut acc);
                     i += 4;
                 }
@@ -454,15 +453,14 @@ macro_rules! kernels {
                 let n = w[0].len();
                 debug_assert_eq!(x.len(), n.div_ceil(4));
                 let c = q5_consts();
-                let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
                 let mut acc = [_mm512_setzero_ps(); R];
                 for (m, q) in x.iter().enumerate() {
                     let i = 4 * m;
                     let (xlo, xhi) =
                         (_mm512_load_si512(q.lo.as_ptr() as *const _), _mm512_load_si512(q.hi.as_ptr() as *const _));
                     let start = _mm512_load_si512(q.start.as_ptr() as *const _);
-                    let dx16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(q.d.as_ptr())));
-                    let b = [i, (i + 1).min(n - 1), (i + 2).min(n - 1), (i + 3).min(n - 1)];
+                    let dx16 = spread4(_mm_loadu_ps(q.d.as_ptr()));
+                    let b = step_blocks(i, n);
                     step_q5(&w, b, (xlo, xhi, start, dx16), &c, &mut acc);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
