@@ -18,7 +18,7 @@ fn values(n: usize) -> Vec<f32> {
 }
 
 fn bench_matvec(c: &mut Criterion) {
-    use ember_kernels::formats::{BlockQ4, BlockQ5_0, BlockQ8, Format, Int4, Int8, Q5_0};
+    use ember_kernels::formats::{BlockQ4, BlockQ5, BlockQ5_0, BlockQ8, Format, Int4, Int5, Int8, Q5_0};
     for (rows, cols) in SHAPES {
         let w = values(rows * cols);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -33,6 +33,10 @@ fn bench_matvec(c: &mut Criterion) {
         // for the matrices whose rows are not whole 256-weight super-blocks).
         let mut q5 = vec![BlockQ5_0::ZERO; rows * cols / 32];
         Q5_0::quantize_row(&w, &mut q5);
+        // ember's INT5: the same numbers as Q5_0 laid out for the kernels
+        // (rows of whole 128-weight blocks: every shape here).
+        let mut q5x4 = vec![BlockQ5::ZERO; rows * cols / 128];
+        Int5::quantize_row(&w, &mut q5x4);
         let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
         for (name, weights) in [
             ("f32", Weights::F32(&w)),
@@ -41,6 +45,7 @@ fn bench_matvec(c: &mut Criterion) {
             ("int8", Weights::Int8(&q8)),
             ("int4", Weights::Int4(&q4)),
             ("q5_0", Weights::Q5_0(&q5)),
+            ("int5", Weights::Int5(&q5x4)),
         ] {
             let m = MatRef::new(weights, rows, cols);
             group.throughput(Throughput::Bytes(m.bytes() as u64));

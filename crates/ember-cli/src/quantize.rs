@@ -15,14 +15,14 @@ pub struct Args {
     #[arg(short, long)]
     model: Option<PathBuf>,
 
-    /// `int8` or `int4` (with `int4`, the embedding / LM head and the k, v, o and
-    /// down projections stay at 8 bits).
+    /// `int8`, `int4` or `int5` (with `int4`, the embedding / LM head and o
+    /// get INT5, k, v and down INT8: the measured mix).
     #[arg(long, value_parser = crate::runtime::parse_quant)]
     quant: WeightType,
 
     /// The folder to write (created; must not be the model folder), or a
     /// file ending in `.gguf`: a GGUF file (INT8 matrices as Q8_0, INT4 as
-    /// Q4_0) that ember and llama.cpp both run.
+    /// Q4_0, INT5 as Q5_0) that ember and llama.cpp both run.
     #[arg(long)]
     out: PathBuf,
 

@@ -27,8 +27,8 @@ pub struct RuntimeArgs {
     #[arg(short, long, env = "EMBER_THREADS")]
     pub threads: Option<usize>,
 
-    /// Quantize the weights at load: `int8` or `int4` (the embedding / LM
-    /// head and the k, v, o and down projections stay at 8 bits with `int4`).
+    /// Quantize the weights at load: `int8`, `int4` or `int5` (with `int4`
+    /// the embedding / LM head and o get INT5, k, v and down INT8).
     #[arg(long, value_parser = parse_quant, env = "EMBER_QUANT")]
     pub quant: Option<WeightType>,
 
@@ -55,16 +55,24 @@ pub fn parse_quant(s: &str) -> std::result::Result<WeightType, String> {
 }
 
 /// Which matrix gets which type for `--quant q`: the library's measured
-/// default, or, with `EMBER_INT4_KEEP` set (comma-separated roles: q, k, v,
-/// o, gate, up, down, vocab), those matrices kept at INT8 instead, for
-/// measuring other choices.
+/// default, or, with `EMBER_QUANT_MIX` set (comma-separated `role:type`,
+/// roles q, k, v, o, gate, up, down, vocab; types int8, int4, int5), those
+/// matrices given those types instead and the others `q`, for measuring
+/// other choices.
 pub fn quant_policy(q: WeightType) -> Result<QuantPolicy> {
     let mut policy = QuantPolicy::new(q);
-    if let (Ok(list), WeightType::Int4) = (std::env::var("EMBER_INT4_KEEP"), q) {
-        policy.keep_int8 = list
+    if let Ok(list) = std::env::var("EMBER_QUANT_MIX") {
+        policy.overrides = list
             .split(',')
             .filter(|r| !r.trim().is_empty())
-            .map(|r| WeightRole::from_name(r).with_context(|| format!("EMBER_INT4_KEEP: unknown matrix `{r}`")))
+            .map(|item| {
+                let (role, ty) =
+                    item.split_once(':').with_context(|| format!("EMBER_QUANT_MIX: `{item}` is not role:type"))?;
+                let role =
+                    WeightRole::from_name(role).with_context(|| format!("EMBER_QUANT_MIX: unknown matrix `{role}`"))?;
+                let ty = parse_quant(ty).map_err(|e| anyhow::anyhow!("EMBER_QUANT_MIX: {e}"))?;
+                Ok((role, ty))
+            })
             .collect::<Result<_>>()?;
     }
     Ok(policy)

@@ -1,4 +1,4 @@
-//! One thread streaming 1 GB of INT4, INT8 and Q5_0 rows from memory
+//! One thread streaming 1 GB of INT4, INT5, INT8 and Q5_0 rows from memory
 //! through the active tier's mat-vec kernels, against a plain read of the
 //! same bytes: how close the kernels come to the memory bus on their own,
 //! with no threads, sections or serial work around them (what `ember
@@ -10,7 +10,7 @@
 //! rows are short, 504 bytes in INT4). `EMBER_ISA` picks the tier.
 
 use ember_kernels::bandwidth::sum_words_with;
-use ember_kernels::formats::{BlockQ4, BlockQ5_0, BlockQ8};
+use ember_kernels::formats::{BlockQ4, BlockQ5, BlockQ5_0, BlockQ8};
 use ember_kernels::{f16, matvec_with, Isa, MatRef, Weights};
 use std::time::Instant;
 
@@ -29,12 +29,13 @@ impl Stream {
     fn new<B: bytemuck::Pod>(
         name: &'static str,
         cols: usize,
+        block_len: usize,
         block: impl Fn(usize) -> B,
         wrap: fn(&[u8]) -> Weights<'_>,
     ) -> Stream {
-        let per_row = cols / 32 * std::mem::size_of::<B>();
+        let per_row = cols / block_len * std::mem::size_of::<B>();
         let rows = BYTES / per_row;
-        let blocks: Vec<B> = (0..rows * cols / 32).map(block).collect();
+        let blocks: Vec<B> = (0..rows * cols / block_len).map(block).collect();
         Stream { name, bytes: bytemuck::cast_slice(&blocks).to_vec(), rows, wrap, shares: Vec::new() }
     }
 }
@@ -47,26 +48,44 @@ fn main() {
     let isa = Isa::active();
     let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
     let d = f16::from_f32(0.01);
-    let mut streams = [
+    let mut streams = vec![
         Stream::new(
             "INT4",
             cols,
+            32,
             |i| BlockQ4 { d, qs: [(i * 37) as u8; 16] },
             |b| Weights::Int4(bytemuck::cast_slice(b)),
         ),
         Stream::new(
             "INT8",
             cols,
+            32,
             |i| BlockQ8 { d, qs: [(i % 101) as i8 - 50; 32] },
             |b| Weights::Int8(bytemuck::cast_slice(b)),
         ),
         Stream::new(
             "Q5_0",
             cols,
+            32,
             |i| BlockQ5_0 { d, qh: (i as u32).wrapping_mul(2654435761).to_le_bytes(), qs: [(i * 37) as u8; 16] },
             |b| Weights::Q5_0(bytemuck::cast_slice(b)),
         ),
     ];
+    // INT5's blocks are 128 weights: only for rows of whole blocks.
+    if cols.is_multiple_of(128) {
+        let int5 = Stream::new(
+            "INT5",
+            cols,
+            128,
+            |i| BlockQ5 {
+                d: [d; 4],
+                qh: std::array::from_fn(|j| (i as u32).wrapping_mul(2654435761).to_le_bytes()[j % 4] ^ j as u8),
+                qs: [(i * 37) as u8; 64],
+            },
+            |b| Weights::Int5(bytemuck::cast_slice(b)),
+        );
+        streams.insert(1, int5);
+    }
     println!("tier {}, {cols} columns, 1 thread, {} MB a pass", isa.name(), BYTES >> 20);
     let gb_s = |bytes: usize, t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
     for round in 0..rounds {

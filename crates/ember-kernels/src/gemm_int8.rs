@@ -215,7 +215,9 @@ fn pack_panel<F: Format>(
     let mut tile = [[0u32; ZMM_ROWS]; SLOTS];
     for (b, dst) in panel.chunks_exact_mut(SLOTS * height / 16).enumerate() {
         for (i, r) in rows.clone().enumerate() {
-            let c = F::codes(&w[r * blocks + b]).expect("integer rows have codes");
+            // Block `b` of 32 of row `r`: sub-block `at % per` of stored block `at / per`.
+            let (at, per) = (r * blocks + b, F::BLOCK_LEN / QK_A8);
+            let c = F::codes(&w[at / per], at % per).expect("integer rows have codes");
             let signed = kernel.signed(c.offset);
             coding = Coding { offset: if signed { 0 } else { c.offset }, signed };
             // Signed codes as i8 bytes: `u − offset` is in −128..=127.
@@ -289,7 +291,8 @@ pub fn handles(w: &MatRef) -> bool {
 pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<usize>, x: &Acts, out: &Out) {
     let kernel = Kernel::of(isa.tier()).expect("the integer kernels need an x86 tier");
     let blocks = x.per_token;
-    assert!(F::TYPE.act() == ActType::A8 && F::BLOCK_LEN == QK_A8 && rows.end * blocks <= w.len());
+    let per = F::BLOCK_LEN / QK_A8;
+    assert!(F::TYPE.act() == ActType::A8 && blocks.is_multiple_of(per) && rows.end * blocks <= w.len() * per);
     let (height, width) = (kernel.rows(), kernel.tokens());
     PANEL_BUF.with(|buf| {
         let mut panel = buf.borrow_mut();
@@ -301,7 +304,7 @@ pub fn matmul_rows<F: Format>(isa: Isa, w: &[F::Block], rows: std::ops::Range<us
             // this one computes, so that packing them does not wait on
             // memory (on Zen 3 the packing was 19% of an INT8 pp128; with
             // the prefetch and `pack_q8_avx2`, 4%).
-            let next = &w[r1 * blocks..(r1 + height).min(rows.end) * blocks];
+            let next = &w[r1 * blocks / per..(r1 + height).min(rows.end) * blocks / per];
             let calls = x.tokens.div_ceil(width);
             for (call, t0) in (0..x.tokens).step_by(width).enumerate() {
                 prefetch_share(next, call, calls);
@@ -359,12 +362,14 @@ fn prefetch_share<B>(blocks: &[B], k: usize, n: usize) {
 /// kernels' specification. `y (T, rows)`.
 pub fn matmul_reference<F: Format<Act = BlockA8>>(w: &[F::Block], x: &Acts, y: &mut [f32]) {
     let blocks = x.per_token;
-    let rows = w.len() / blocks;
+    // Stored blocks per row (several activation blocks each for INT5).
+    let per_row = blocks * QK_A8 / F::BLOCK_LEN;
+    let rows = w.len() / per_row;
     assert_eq!(y.len(), x.tokens * rows);
     for t in 0..x.tokens {
         let xt = &x.blocks[t * blocks..(t + 1) * blocks];
         for r in 0..rows {
-            y[t * rows + r] = F::dot_reference(&w[r * blocks..(r + 1) * blocks], xt);
+            y[t * rows + r] = F::dot_reference(&w[r * per_row..(r + 1) * per_row], xt);
         }
     }
 }
@@ -867,7 +872,7 @@ mod tests {
         let (mut d8, mut d4) = (vec![0.0; 64], vec![0.0; 64]);
         Int8::dequantize_reference(&q8, &mut d8);
         Int4::dequantize_reference(&q4, &mut d4);
-        for (blocks, want) in [(Int8::codes(&q8[1]), &d8[32..]), (Int4::codes(&q4[1]), &d4[32..])] {
+        for (blocks, want) in [(Int8::codes(&q8[1], 0), &d8[32..]), (Int4::codes(&q4[1], 0), &d4[32..])] {
             let c = blocks.unwrap();
             for (&u, &want) in c.u.iter().zip(want) {
                 assert_eq!(c.d * (u as i32 - c.offset) as f32, want);

@@ -165,7 +165,7 @@ impl<'a, F: Format> RowKernels<'a, F> {
         let kernels = F::kernels(isa.tier());
         let rows4_quads = kernels.rows4_quads.filter(|_| !quads.is_empty());
         if rows4_quads.is_some() {
-            assert_eq!(quads.len(), per_row.div_ceil(4), "quads length");
+            assert_eq!(quads.len(), (per_row * F::BLOCK_LEN).div_ceil(4 * crate::formats::QK_A8), "quads length");
         }
         RowKernels { kernels, rows4_quads, per_row, x, quads }
     }

@@ -2,9 +2,11 @@
 //! quantized in memory, as llama.cpp and ember both load it.
 //!
 //! ember's INT8 and INT4 blocks are ggml's Q8_0 and Q4_0 byte for byte
-//! ([`GgmlType::weight_type`]), so each quantized matrix is written as it is
-//! held, with ember's per-tensor choice of precision (INT4's policy keeps
-//! some matrices at INT8: they are Q8_0 tensors of a Q4_0 file). Matrices
+//! ([`GgmlType::weight_type`]), so each such matrix is written as it is
+//! held, with ember's per-tensor choice of precision (INT4's policy gives
+//! some matrices INT8 and INT5: Q8_0 and Q5_0 tensors of a Q4_0 file).
+//! INT5's blocks are four Q5_0 blocks in value, laid out for ember's
+//! kernels; they are written as those Q5_0 blocks, without loss. Matrices
 //! ember kept in their stored precision stay BF16, F16 or F32; vectors
 //! (norms, biases) are written as F32, as llama.cpp's converter writes them.
 //!
@@ -20,6 +22,7 @@ use crate::gguf::{gguf_name, GgmlType, DEFAULT_ALIGNMENT};
 use crate::quantize::{held_tensors, stored_tensors};
 use crate::qwen2::Qwen2;
 use crate::weights::TensorStore;
+use ember_kernels::formats::{BlockQ5, BlockQ5_0};
 use ember_kernels::WeightType;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -138,6 +141,16 @@ pub fn write_gguf(src: &Path, store: &TensorStore, model: &Qwen2, file_type: u32
         let (ty, data) = if t.shape.len() == 1 {
             let v = t.to_f32_vec();
             (GgmlType(0), std::borrow::Cow::Owned(bytemuck::cast_slice::<f32, u8>(&v).to_vec()))
+        } else if t.dtype == WeightType::Int5 {
+            // No ggml type holds INT5's layout; each of its sub-blocks is a
+            // Q5_0 block in value, so it is written as Q5_0 without loss.
+            let size = std::mem::size_of::<BlockQ5>();
+            let q5: Vec<BlockQ5_0> = t
+                .as_bytes()
+                .chunks_exact(size)
+                .flat_map(|b| bytemuck::pod_read_unaligned::<BlockQ5>(b).to_q5_0())
+                .collect();
+            (ggml_type(WeightType::Q5_0, &t.name, out)?, std::borrow::Cow::Owned(bytemuck::cast_slice(&q5).to_vec()))
         } else {
             (ggml_type(t.dtype, &t.name, out)?, std::borrow::Cow::Borrowed(t.as_bytes()))
         };

@@ -2,7 +2,7 @@
 //!
 //! Run Qwen2-architecture language models (Qwen2.5 Instruct and Coder, 0.5B
 //! and up) on the CPU from a HuggingFace model folder: `config.json`,
-//! safetensors weights (BF16, F16, F32, or ember's INT8/INT4, memory-mapped
+//! safetensors weights (BF16, F16, F32, or ember's INT8/INT4/INT5, memory-mapped
 //! in their stored precision), `tokenizer.json` and the chat template. No ML
 //! framework; the kernels are ember's own (`ember-kernels`).
 //!
@@ -301,7 +301,7 @@ pub mod advanced {
     pub use crate::model::{init_threads, load_qwen2, physical_cores};
     pub use crate::qwen2::{
         Attention, BatchToken, Layer, Linear, Mlp, Phase, PhaseTimes, QuantPolicy, Qwen2, Scratch, State, WeightRole,
-        INT4_KEEPS_INT8,
+        INT4_MIX,
     };
     pub use crate::stream::TextStream;
     pub use crate::tokenizer::ChatTemplate;

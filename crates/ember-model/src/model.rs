@@ -70,9 +70,10 @@ pub struct ModelBuilder {
 }
 
 impl ModelBuilder {
-    /// Quantizes the weight matrices at load: [`WeightType::Int8`] or
-    /// [`WeightType::Int4`] (with INT4 the embedding / LM head and the k, v,
-    /// o and down projections stay at INT8, the measured default), or a
+    /// Quantizes the weight matrices at load: [`WeightType::Int8`],
+    /// [`WeightType::Int4`] (with INT4 the embedding / LM head and o get
+    /// INT5, k, v and down INT8: the measured default, [`INT4_MIX`](crate::advanced::INT4_MIX))
+    /// or [`WeightType::Int5`], or a
     /// [`QuantPolicy`](crate::advanced::QuantPolicy) saying which matrix gets
     /// which type. About a second (INT8) to seven (INT4) for a 0.5B model; a
     /// folder written quantized (`ember quantize`) loads as it is stored.

@@ -1,11 +1,11 @@
 //! Writing a quantized model folder (`ember quantize`): the weight matrices
-//! in ember's INT8/INT4 blocks, everything else as stored, plus the config
+//! in ember's INT8/INT4/INT5 blocks, everything else as stored, plus the config
 //! and tokenizer files, so the folder loads like any other, instantly and
 //! memory-mapped.
 //!
 //! A quantized matrix is stored as a `U8` tensor of shape `[rows, bytes per
 //! row]` under its usual name, and the file's metadata maps
-//! `ember.quant.<name>` to its format (`int8` / `int4`).
+//! `ember.quant.<name>` to its format (`int8` / `int4` / `int5`).
 
 use crate::error::{Error, Result};
 use crate::qwen2::Qwen2;

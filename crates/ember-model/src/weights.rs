@@ -120,6 +120,7 @@ impl Tensor {
     pub fn quantize(&self, q: WeightType) -> Tensor {
         assert!(self.can_quantize(), "{} cannot be quantized", self.name);
         let m = self.matrix();
+        assert!(m.cols.is_multiple_of(q.block_len()), "{}: rows are not whole {q} blocks", self.name);
         let (rows, cols) = (m.rows, m.cols);
         let row_bytes = cols / q.block_len() * q.block_bytes();
         let mut owned = vec![0u32; (rows * row_bytes).div_ceil(4)];
@@ -167,9 +168,10 @@ impl Tensor {
     }
 
     /// Whether [`Tensor::quantize`] applies: a float matrix whose rows are
-    /// whole blocks of every quantized type.
+    /// whole blocks of INT8 (32 weights; the policy gives INT8 where a
+    /// type's blocks are longer than the rows allow).
     pub fn can_quantize(&self) -> bool {
-        let block = WeightType::ALL.iter().filter(|t| t.is_quantized()).map(|t| t.block_len()).max().unwrap_or(1);
+        let block = WeightType::Int8.block_len();
         self.shape.len() == 2 && self.shape[1].is_multiple_of(block) && !self.dtype.is_quantized()
     }
 

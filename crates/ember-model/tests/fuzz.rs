@@ -765,7 +765,7 @@ fn gguf_seeds(scratch: &Path) -> Vec<Vec<u8>> {
     for (q, file_type) in [(None, 32), (Some(WeightType::Int8), 7), (Some(WeightType::Int4), 2)] {
         let mut m = load_qwen2(&src).unwrap();
         if let Some(q) = q {
-            m.quantize(&QuantPolicy { format: q, keep_int8: Vec::new() }).unwrap();
+            m.quantize(&QuantPolicy { format: q, overrides: Vec::new() }).unwrap();
         }
         let file = scratch.join("seed.gguf");
         write_gguf(&src, &store, &m, file_type, &file).unwrap();

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{fixtures, reference, Scratch};
-use ember_model::advanced::{eval, load_qwen2, Qwen2, TensorStore};
+use ember_model::advanced::{eval, load_qwen2, Qwen2, TensorStore, WeightRole};
 use ember_model::{Precision, WeightType};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
@@ -107,7 +107,7 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
 }
 
 #[test]
-fn int4_keeps_the_chosen_matrices_at_int8() {
+fn int4_gives_the_chosen_matrices_their_types() {
     let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
     m.quantize(&WeightType::Int4.into()).unwrap();
     let l = &m.layers[0];
@@ -117,13 +117,26 @@ fn int4_keeps_the_chosen_matrices_at_int8() {
     assert_eq!(a.k_proj.weight.dtype, WeightType::Int8);
     assert_eq!(a.v_proj.weight.dtype, WeightType::Int8);
     assert_eq!(f.down_proj.weight.dtype, WeightType::Int8);
-    assert_eq!(a.o_proj.weight.dtype, WeightType::Int8);
     assert_eq!(f.up_proj.weight.dtype, WeightType::Int4);
+    // INT5 for o and the LM head, but this model's rows (64 weights) are
+    // not whole INT5 blocks (128): INT8 instead.
+    assert_eq!(a.o_proj.weight.dtype, WeightType::Int8);
     assert_eq!(m.embed_tokens.dtype, WeightType::Int8);
     assert_eq!(m.lm_head.dtype, WeightType::Int8);
+    let policy = ember_model::advanced::QuantPolicy::new(WeightType::Int4);
+    assert_eq!(policy.format_for(WeightRole::O, 896), WeightType::Int5);
+    assert_eq!(policy.format_for(WeightRole::Vocabulary, 896), WeightType::Int5);
+    assert_eq!(policy.format_for(WeightRole::Vocabulary, 64), WeightType::Int8);
+    assert_eq!(policy.format_for(WeightRole::Q, 64), WeightType::Int4);
+    // `--quant int5` on the same model: every row too short for INT5's
+    // blocks, every matrix INT8. (INT5 matrices in a model: the real
+    // model's tests, tests/gguf_real.rs and `cargo xtask parity --quant int4`.)
+    let mut all5 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    all5.quantize(&WeightType::Int5.into()).unwrap();
+    assert_eq!(all5.layers[0].mlp.gate_proj.weight.dtype, WeightType::Int8, "64-wide rows fall back to INT8");
     // A policy keeping nothing at INT8 rounds every matrix to INT4.
     let mut all4 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
-    all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, keep_int8: vec![] }).unwrap();
+    all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, overrides: vec![] }).unwrap();
     assert_eq!(all4.layers[0].mlp.down_proj.weight.dtype, WeightType::Int4);
     assert_eq!(all4.lm_head.dtype, WeightType::Int4);
 }

@@ -56,16 +56,21 @@ impl BlockA8x4 {
 /// quads; blocks past the end are zeros, so they add nothing).
 pub fn quads_of(a8: &[BlockA8], dst: &mut Vec<BlockA8x4>) {
     dst.clear();
-    for c in a8.chunks(4) {
-        let mut q = BlockA8x4::ZERO;
-        for (b, a) in c.iter().enumerate() {
-            q.lo[16 * b..16 * b + 16].copy_from_slice(&a.qs[..16]);
-            q.hi[16 * b..16 * b + 16].copy_from_slice(&a.qs[16..]);
-            q.start[4 * b] = -8 * a.sum;
-            q.d[b] = a.d;
-        }
-        dst.push(q);
+    dst.extend(a8.chunks(4).map(quad_at));
+}
+
+/// Up to four blocks as one [`BlockA8x4`] (missing ones zeros).
+#[inline]
+pub fn quad_at(blocks: &[BlockA8]) -> BlockA8x4 {
+    debug_assert!(blocks.len() <= 4);
+    let mut q = BlockA8x4::ZERO;
+    for (b, a) in blocks.iter().enumerate() {
+        q.lo[16 * b..16 * b + 16].copy_from_slice(&a.qs[..16]);
+        q.hi[16 * b..16 * b + 16].copy_from_slice(&a.qs[16..]);
+        q.start[4 * b] = -8 * a.sum;
+        q.d[b] = a.d;
     }
+    q
 }
 
 /// Quantizes activations `x (32 n,)` to `dst (n,)` with `isa`'s kernel (bit

@@ -87,7 +87,7 @@ impl Format for Int4 {
 
     /// The nibbles themselves, offset 8.
     #[inline]
-    fn codes(b: &BlockQ4) -> Option<Codes> {
+    fn codes(b: &BlockQ4, _sub: usize) -> Option<Codes> {
         // Sixteen bytes at once: the low nibbles are weights 0..16, the high
         // ones 16..32 (byte by byte, LLVM kept this scalar, a fifth of an
         // INT4 pp128's time in the prefill's packing).
@@ -152,9 +152,9 @@ impl Format for Int4 {
 
 /// The nibble codes of `x` at scale `d` (`inv = 1/d`): `round(x / d) + 8`,
 /// clamped to 0..=15.
-#[inline]
+#[cfg(test)]
 fn q4_codes(x: &[f32], inv: f32) -> [u8; QK] {
-    std::array::from_fn(|j| ((x[j] * inv).round() + 8.0).clamp(0.0, 15.0) as u8)
+    Symmetric::INT4.codes(x, inv)
 }
 
 /// The squared error of a block at scale `d` with its codes.
@@ -163,49 +163,82 @@ fn q4_error(x: &[f32], d: f32, codes: &[u8; QK]) -> f32 {
     x.iter().zip(codes).map(|(&v, &n)| (v - d * (n as f32 - 8.0)).powi(2)).sum()
 }
 
-/// The squared error of a block at scale `d` (`inv = 1/d`), its codes
-/// rounded as [`q4_codes`] does, in one pass.
-#[inline]
-fn q4_error_at(x: &[f32], d: f32, inv: f32) -> f32 {
-    let mut err = 0.0;
-    for &v in x {
-        let n = ((v * inv).round() + 8.0).clamp(0.0, 15.0);
-        err += (v - d * (n - 8.0)).powi(2);
-    }
-    err
+/// A symmetric block format's codes: weight = `d · (code − offset)`, codes
+/// 0..=`top`. INT4 (offset 8, top 15) and INT5 (16, 31) share the scale
+/// search ([`Symmetric::quantize_block`]).
+#[derive(Clone, Copy)]
+pub(super) struct Symmetric {
+    offset: f32,
+    top: f32,
+    /// Candidate divisors of a block's signed extreme: around `−offset` (the
+    /// extreme on code 0, Q4_0's and Q5_0's rule) and around `top − offset`
+    /// (the extreme on the top code).
+    ks: &'static [f32],
 }
 
-/// Quantizes `src` (a multiple of 32 long) into INT4 blocks, choosing each
-/// block's scale by a small search (see the module docs).
-pub fn quantize_q4_row(src: &[f32], dst: &mut [BlockQ4]) {
-    assert_eq!(src.len(), dst.len() * QK, "row length");
-    // Candidate divisors of the block's signed extreme: around −8 (Q4_0's
-    // rule, the extreme on code 0) and around +7 (the extreme on code 15).
-    const KS: [f32; 14] = [-8.5, -8.25, -8.0, -7.75, -7.5, -7.25, -7.0, 6.5, 6.75, 7.0, 7.25, 7.5, 7.75, 8.0];
-    for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
+impl Symmetric {
+    /// INT4: codes 0..=15 about 8.
+    pub(super) const INT4: Symmetric = Symmetric {
+        offset: 8.0,
+        top: 15.0,
+        ks: &[-8.5, -8.25, -8.0, -7.75, -7.5, -7.25, -7.0, 6.5, 6.75, 7.0, 7.25, 7.5, 7.75, 8.0],
+    };
+    /// INT5: codes 0..=31 about 16.
+    pub(super) const INT5: Symmetric = Symmetric {
+        offset: 16.0,
+        top: 31.0,
+        ks: &[
+            -16.5, -16.25, -16.0, -15.75, -15.5, -15.25, -15.0, -14.5, 14.0, 14.5, 14.75, 15.0, 15.25, 15.5, 15.75,
+            16.0,
+        ],
+    };
+
+    /// The codes of `x` at scale `d` (`inv = 1/d`): `round(x / d) + offset`,
+    /// clamped to 0..=top.
+    #[inline]
+    fn codes(self, x: &[f32], inv: f32) -> [u8; QK] {
+        std::array::from_fn(|j| ((x[j] * inv).round() + self.offset).clamp(0.0, self.top) as u8)
+    }
+
+    /// The squared error of a block at scale `d` (`inv = 1/d`), its codes
+    /// rounded as [`Symmetric::codes`] does, in one pass.
+    #[inline]
+    fn error_at(self, x: &[f32], d: f32, inv: f32) -> f32 {
+        let mut err = 0.0;
+        for &v in x {
+            let n = ((v * inv).round() + self.offset).clamp(0.0, self.top);
+            err += (v - d * (n - self.offset)).powi(2);
+        }
+        err
+    }
+
+    /// One block of 32 (see the module docs): the scale with the smallest
+    /// squared error among the candidates and the least-squares refit of
+    /// the best one, and its codes. `None` for a block of zeros.
+    pub(super) fn quantize_block(self, x: &[f32]) -> Option<(f16, [u8; QK])> {
+        debug_assert_eq!(x.len(), QK);
         let max = x.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
         if max == 0.0 {
-            *b = BlockQ4::ZERO;
-            continue;
+            return None;
         }
         let mut best = (f32::INFINITY, 0.0f32);
         let consider = |d: f32, best: &mut (f32, f32)| {
             let d = f16::from_f32(d).to_f32();
             if d != 0.0 && d.is_finite() {
-                let err = q4_error_at(x, d, 1.0 / d);
+                let err = self.error_at(x, d, 1.0 / d);
                 if err < best.0 {
                     *best = (err, d);
                 }
             }
         };
-        for k in KS {
+        for &k in self.ks {
             consider(max / k, &mut best);
         }
         // Refit the winner by least squares for its codes: Σ x·q / Σ q².
-        let codes = q4_codes(x, 1.0 / best.1);
+        let codes = self.codes(x, 1.0 / best.1);
         let (mut xq, mut qq) = (0.0f32, 0.0f32);
         for (&v, &n) in x.iter().zip(&codes) {
-            let q = n as f32 - 8.0;
+            let q = n as f32 - self.offset;
             xq += v * q;
             qq += q * q;
         }
@@ -213,11 +246,19 @@ pub fn quantize_q4_row(src: &[f32], dst: &mut [BlockQ4]) {
             consider(xq / qq, &mut best);
         }
         let d = best.1;
-        let codes = q4_codes(x, 1.0 / d);
-        b.d = f16::from_f32(d);
-        for i in 0..QK / 2 {
-            b.qs[i] = codes[i] | (codes[i + QK / 2] << 4);
-        }
+        Some((f16::from_f32(d), self.codes(x, 1.0 / d)))
+    }
+}
+
+/// Quantizes `src` (a multiple of 32 long) into INT4 blocks, choosing each
+/// block's scale by a small search (see the module docs).
+pub fn quantize_q4_row(src: &[f32], dst: &mut [BlockQ4]) {
+    assert_eq!(src.len(), dst.len() * QK, "row length");
+    for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
+        *b = match Symmetric::INT4.quantize_block(x) {
+            None => BlockQ4::ZERO,
+            Some((d, codes)) => BlockQ4 { d, qs: std::array::from_fn(|i| codes[i] | (codes[i + QK / 2] << 4)) },
+        };
     }
 }
 

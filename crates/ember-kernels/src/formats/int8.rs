@@ -85,7 +85,7 @@ impl Format for Int8 {
 
     /// `u = q + 128` (the sign bit flipped), offset 128.
     #[inline]
-    fn codes(b: &BlockQ8) -> Option<Codes> {
+    fn codes(b: &BlockQ8, _sub: usize) -> Option<Codes> {
         Some(Codes { d: b.d.to_f32(), u: b.qs.map(|q| (q as u8) ^ 0x80), offset: 128 })
     }
 

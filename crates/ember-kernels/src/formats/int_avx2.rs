@@ -5,6 +5,7 @@
 use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
 use super::int4::BlockQ4;
+use super::int5::{BlockQ5, QK5};
 use super::int8::BlockQ8;
 use super::PREFETCH_AHEAD;
 use std::arch::x86_64::*;
@@ -130,6 +131,37 @@ pub unsafe fn dequantize_q4(src: &[BlockQ4], dst: &mut [f32]) {
     let eight = _mm256_set1_epi8(8);
     for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
         store_scaled(_mm256_sub_epi8(nibbles(b.qs.as_ptr()), eight), scale(b.d), y.as_mut_ptr());
+    }
+}
+
+/// 32 bits as 32 bytes, byte `j` 16 where bit `j` is set and 0 elsewhere
+/// (INT5's fifth bits, for tiers without mask registers): each byte picks
+/// its bit's byte, tests its bit, and the all-ones result keeps 16.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn fifth_bits(bits: u32) -> __m256i {
+    let v = _mm256_set1_epi32(bits as i32);
+    let byte = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, byte), bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// INT5 blocks to f32: per sub-block its nibbles as INT4's, the fifth bits
+/// of its 32 weights gathered from the two planes into one u32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_int5(src: &[BlockQ5], dst: &mut [f32]) {
+    let sixteen = _mm256_set1_epi8(16);
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK5)) {
+        let lo = u64::from_le_bytes(b.qh[..8].try_into().unwrap());
+        let hi = u64::from_le_bytes(b.qh[8..].try_into().unwrap());
+        for s in 0..4 {
+            let bits = ((lo >> (16 * s)) & 0xffff) as u32 | (((hi >> (16 * s)) & 0xffff) as u32) << 16;
+            let codes = _mm256_or_si256(nibbles(b.qs.as_ptr().add(16 * s)), fifth_bits(bits));
+            store_scaled(_mm256_sub_epi8(codes, sixteen), scale(b.d[s]), y.as_mut_ptr().add(QK * s));
+        }
     }
 }
 
@@ -461,5 +493,131 @@ pub mod pairs {
          rounds of `vphaddd`.",
         |lo, hi, xlo, xhi| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi),
         |s| _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]))
+    );
+}
+
+/// INT5 decoding two sub-blocks per 256-bit register, for the AVX2 and
+/// AVX-VNNI tiers (the AVX-512 tiers hold a whole block: `int_avx512`).
+/// Register `r` of a block holds sub-blocks `2r` and `2r + 1`, one per
+/// 128-bit lane, as the activations' quad lays out its blocks
+/// ([`BlockA8x4`]); the fifth bits of its low and high nibbles are 32
+/// consecutive bits of each plane, spread to bytes by [`fifth_bits`].
+/// Each row keeps its own accumulator. The activations come as blocks (a
+/// quad built per step, [`crate::formats::quad_at`]) or laid out once per
+/// mat-vec: the same steps, so the same bits.
+pub mod int5 {
+    use super::*;
+    use crate::formats::act::{quad_at, BlockA8x4};
+
+    macro_rules! kernels {
+        ($module:ident, $features:literal, $doc:literal, |$acc:ident, $lo:ident, $hi:ident, $xlo:ident, $xhi:ident| $dot:expr) => {
+            #[doc = $doc]
+            pub mod $module {
+                use super::*;
+
+                /// Block `m` of `R` rows against the quad `q`.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn step<const R: usize>(w: &[&[BlockQ5]; R], m: usize, q: &BlockA8x4, acc: &mut [__m256; R]) {
+                    let nibble = _mm256_set1_epi8(15);
+                    let dx = _mm_loadu_ps(q.d.as_ptr());
+                    for k in 0..R {
+                        let b = w[k].get_unchecked(m);
+                        prefetch_step(b as *const BlockQ5 as *const u8, std::mem::size_of::<BlockQ5>());
+                        let d4 = _mm256_castps128_ps256(_mm_mul_ps(
+                            _mm_cvtph_ps(_mm_loadl_epi64(b.d.as_ptr() as *const __m128i)),
+                            dx,
+                        ));
+                        let planes = b.qh.as_ptr() as *const u32;
+                        for r in 0..2 {
+                            let bytes = _mm256_loadu_si256(b.qs.as_ptr().add(32 * r) as *const __m256i);
+                            let $lo = _mm256_or_si256(
+                                _mm256_and_si256(bytes, nibble),
+                                fifth_bits(planes.add(r).read_unaligned()),
+                            );
+                            let $hi = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble),
+                                fifth_bits(planes.add(2 + r).read_unaligned()),
+                            );
+                            let $xlo = _mm256_load_si256(q.lo.as_ptr().add(32 * r) as *const __m256i);
+                            let $xhi = _mm256_load_si256(q.hi.as_ptr().add(32 * r) as *const __m256i);
+                            // −8 · Σx of each sub-block in its lane's first i32: doubled for offset 16.
+                            let start = _mm256_load_si256(q.start.as_ptr().add(8 * r) as *const __m256i);
+                            let $acc = _mm256_add_epi32(start, start);
+                            let s = $dot;
+                            let idx = _mm256_setr_epi32(
+                                2 * r as i32,
+                                2 * r as i32,
+                                2 * r as i32,
+                                2 * r as i32,
+                                2 * r as i32 + 1,
+                                2 * r as i32 + 1,
+                                2 * r as i32 + 1,
+                                2 * r as i32 + 1,
+                            );
+                            let d = _mm256_permutevar8x32_ps(d4, idx);
+                            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
+                        }
+                    }
+                }
+
+                /// `R` INT5 rows against the same activations.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn rows<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8]) -> [f32; R] {
+                    debug_assert_eq!(x.len(), 4 * w[0].len());
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    for (m, a4) in x.chunks_exact(4).enumerate() {
+                        step(&w, m, &quad_at(a4), &mut acc);
+                    }
+                    acc.map(|v| hsum(v))
+                }
+
+                /// Four INT5 rows against the same activations.
+                #[target_feature(enable = $features)]
+                pub unsafe fn rows4_int5(w: [&[BlockQ5]; 4], x: &[BlockA8]) -> [f32; 4] {
+                    rows(w, x)
+                }
+
+                /// Four INT5 rows against activations laid out by
+                /// [`crate::formats::quads_of`]: [`rows4_int5`]'s bits.
+                #[target_feature(enable = $features)]
+                pub unsafe fn rows4_int5_quads(w: [&[BlockQ5]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                    debug_assert_eq!(x.len(), w[0].len());
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    for (m, q) in x.iter().enumerate() {
+                        step(&w, m, q, &mut acc);
+                    }
+                    acc.map(|v| hsum(v))
+                }
+
+                /// One INT5 row.
+                #[target_feature(enable = $features)]
+                pub unsafe fn dot_int5(w: &[BlockQ5], x: &[BlockA8]) -> f32 {
+                    rows([w], x)[0]
+                }
+            }
+        };
+    }
+
+    kernels!(
+        avx2,
+        "avx2,fma,f16c",
+        "With `vpmaddubsw`: the low and high halves' pair sums added as i16 (at most 2 · 2 · 31 · 127 = 15748), \
+         then one `vpmaddwd`.",
+        |acc, lo, hi, xlo, xhi| _mm256_add_epi32(
+            acc,
+            _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
+                _mm256_set1_epi16(1)
+            )
+        )
+    );
+
+    kernels!(
+        vnni,
+        "avx2,fma,f16c,avxvnni",
+        "With `vpdpbusd` (AVX-VNNI): two instructions per register.",
+        |acc, lo, hi, xlo, xhi| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, xlo), hi, xhi)
     );
 }

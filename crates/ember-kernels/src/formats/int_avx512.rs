@@ -35,6 +35,7 @@
 //! `vnni` ones); an `Isa` of the matching tier is the proof.
 use super::act::{BlockA8, BlockA8x4};
 use super::int4::BlockQ4;
+use super::int5::BlockQ5;
 use super::int8::BlockQ8;
 use super::int_avx2::{prefetch_step, scale_pairs};
 use super::q5_0::BlockQ5_0;
@@ -464,6 +465,89 @@ macro_rules! kernels {
                     step_q5(&w, b, (xlo, xhi, start, dx16), &c, &mut acc);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
+            }
+
+            /// One step of `R` INT5 rows: block `m` of each (four
+            /// sub-blocks) against one activation quad (`xlo`, `xhi`,
+            /// `start` as in [`Quad`], `dx` its four scales). The 64 nibble
+            /// bytes are one load, one sub-block per 128-bit lane; each
+            /// fifth-bit plane loads into a mask register and adds 16 under
+            /// it; the four scales widen in one conversion and spread over
+            /// their lanes in one permute. Offset 16: the accumulator starts
+            /// at twice INT4's start.
+            #[inline(always)]
+            unsafe fn step_int5<const R: usize>(
+                w: &[&[BlockQ5]; R],
+                m: usize,
+                (xlo, xhi, start, dx): (__m512i, __m512i, __m512i, __m128),
+                acc: &mut [__m512; R],
+            ) {
+                let nibble = _mm512_set1_epi8(15);
+                let sixteen = _mm512_set1_epi8(16);
+                let start = _mm512_add_epi32(start, start);
+                for k in 0..R {
+                    let b = w[k].get_unchecked(m);
+                    prefetch_step(b as *const BlockQ5 as *const u8, std::mem::size_of::<BlockQ5>());
+                    let bytes = _mm512_loadu_si512(b.qs.as_ptr() as *const _);
+                    let planes = b.qh.as_ptr() as *const __mmask64;
+                    let lo = _mm512_and_si512(bytes, nibble);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
+                    let lo = _mm512_mask_add_epi8(lo, _load_mask64(planes), lo, sixteen);
+                    let hi = _mm512_mask_add_epi8(hi, _load_mask64(planes.add(1)), hi, sixteen);
+                    let s = dot(dot(start, lo, xlo), hi, xhi);
+                    let h = _mm_loadl_epi64(b.d.as_ptr() as *const __m128i);
+                    let d = spread4(_mm_mul_ps(_mm_cvtph_ps(h), dx));
+                    acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[k]);
+                }
+            }
+
+            /// `R` INT5 rows against the same activations, each step's
+            /// activation quad built here.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn rows_int5<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8]) -> [f32; R] {
+                let n = w[0].len();
+                debug_assert_eq!(x.len(), 4 * n);
+                let mut acc = [_mm512_setzero_ps(); R];
+                for m in 0..n {
+                    let q = quad(x, 4 * m);
+                    step_int5(&w, m, (q.lo, q.hi, q.start, q.d), &mut acc);
+                }
+                acc.map(|v| _mm512_reduce_add_ps(v))
+            }
+
+            /// [`rows_int5`] over activations laid out once per mat-vec
+            /// ([`BlockA8x4`]): the same steps, so the same bits.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn rows_int5_quads<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8x4]) -> [f32; R] {
+                debug_assert_eq!(x.len(), w[0].len());
+                let mut acc = [_mm512_setzero_ps(); R];
+                for (m, q) in x.iter().enumerate() {
+                    let (xlo, xhi) =
+                        (_mm512_load_si512(q.lo.as_ptr() as *const _), _mm512_load_si512(q.hi.as_ptr() as *const _));
+                    let start = _mm512_load_si512(q.start.as_ptr() as *const _);
+                    step_int5(&w, m, (xlo, xhi, start, _mm_loadu_ps(q.d.as_ptr())), &mut acc);
+                }
+                acc.map(|v| _mm512_reduce_add_ps(v))
+            }
+
+            /// Four INT5 rows against activations laid out by [`crate::formats::quads_of`].
+            #[target_feature(enable = $features)]
+            pub unsafe fn rows4_int5_quads(w: [&[BlockQ5]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                rows_int5_quads(w, x)
+            }
+
+            /// Four INT5 rows against the same activations.
+            #[target_feature(enable = $features)]
+            pub unsafe fn rows4_int5(w: [&[BlockQ5]; 4], x: &[BlockA8]) -> [f32; 4] {
+                rows_int5(w, x)
+            }
+
+            /// One INT5 row.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_int5(w: &[BlockQ5], x: &[BlockA8]) -> f32 {
+                rows_int5([w], x)[0]
             }
 
             /// Four Q5_0 rows against activations laid out by [`crate::formats::quads_of`].

@@ -15,6 +15,7 @@
 //! | [`F16`] | `f16` | [`f16`](struct@f16) | 1 | f32 |
 //! | [`Int8`] | `int8` | [`BlockQ8`] (34 B) | 32 | [`BlockA8`] |
 //! | [`Int4`] | `int4` | [`BlockQ4`] (18 B) | 32 | [`BlockA8`] |
+//! | [`Int5`] | `int5` | [`BlockQ5`] (88 B) | 128 | [`BlockA8`] |
 //! | [`Q4_1`] | `q4_1` | [`BlockQ4_1`] (20 B) | 32 | [`BlockA8`] |
 //! | [`Q5_0`] | `q5_0` | [`BlockQ5_0`] (22 B) | 32 | [`BlockA8`] |
 //! | [`Q5_1`] | `q5_1` | [`BlockQ5_1`] (24 B) | 32 | [`BlockA8`] |
@@ -24,7 +25,8 @@
 //! | [`Q5K`] | `q5_k` | [`BlockQ5K`] (176 B) | 256 | [`BlockA8K`] |
 //! | [`Q6K`] | `q6_k` | [`BlockQ6K`] (210 B) | 256 | [`BlockA8K`] |
 //!
-//! INT8 and INT4 are ggml's Q8_0 and Q4_0 byte for byte; the rows from
+//! INT8 and INT4 are ggml's Q8_0 and Q4_0 byte for byte; INT5 is four of
+//! ggml's Q5_0 blocks in value, laid out for the kernels; the rows from
 //! Q4_1 on are ggml's types of the same names, read from GGUF files in
 //! place (their `dequantize_reference` is ggml's `dequantize_row_*`, checked
 //! against the `gguf` Python package on real tensors). Like llama.cpp, the
@@ -44,6 +46,7 @@ mod act;
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
 pub(crate) mod float;
 mod int4;
+mod int5;
 mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int_avx2;
@@ -64,12 +67,13 @@ mod q5_k;
 mod q6_k;
 
 pub use act::{
-    quads_of, quantize_activations, quantize_activations_k, quantize_activations_k_scalar, quantize_activations_scalar,
-    BlockA8, BlockA8K, BlockA8x4, QK_A8, QK_A8K,
+    quad_at, quads_of, quantize_activations, quantize_activations_k, quantize_activations_k_scalar,
+    quantize_activations_scalar, BlockA8, BlockA8K, BlockA8x4, QK_A8, QK_A8K,
 };
 pub use float::{Bf16, F16, F32};
 pub use half::{bf16, f16};
 pub use int4::{BlockQ4, Int4};
+pub use int5::{BlockQ5, Int5, QK5};
 pub use int8::{BlockQ8, Int8};
 pub use kq::QK_K;
 pub use q2_k::{BlockQ2K, Q2K};
@@ -96,6 +100,8 @@ pub enum WeightType {
     Int8,
     /// ember's INT4 blocks ([`BlockQ4`]).
     Int4,
+    /// ember's INT5 blocks ([`BlockQ5`]).
+    Int5,
     /// ggml's Q4_1 blocks ([`BlockQ4_1`]).
     Q4_1,
     /// ggml's Q5_0 blocks ([`BlockQ5_0`]).
@@ -136,6 +142,10 @@ macro_rules! with_type {
             }
             $crate::formats::WeightType::Int4 => {
                 type $F = $crate::formats::Int4;
+                $body
+            }
+            $crate::formats::WeightType::Int5 => {
+                type $F = $crate::formats::Int5;
                 $body
             }
             $crate::formats::WeightType::Q4_1 => {
@@ -197,6 +207,10 @@ macro_rules! with_weights {
             }
             $crate::formats::Weights::Int4($data) => {
                 type $F = $crate::formats::Int4;
+                $body
+            }
+            $crate::formats::Weights::Int5($data) => {
+                type $F = $crate::formats::Int5;
                 $body
             }
             $crate::formats::Weights::Q4_1($data) => {
@@ -285,6 +299,8 @@ pub enum Weights<'a> {
     Int8(&'a [BlockQ8]),
     /// ember's INT4 blocks.
     Int4(&'a [BlockQ4]),
+    /// ember's INT5 blocks.
+    Int5(&'a [BlockQ5]),
     /// ggml's Q4_1 blocks.
     Q4_1(&'a [BlockQ4_1]),
     /// ggml's Q5_0 blocks.
@@ -332,11 +348,12 @@ pub trait Format: Sized + 'static {
     /// The kernels a tier runs for this type. Matches every tier by name.
     fn kernels(tier: Tier) -> Kernels<Self>;
 
-    /// For rows read by int8 activations: a block as unsigned byte codes,
-    /// weight `j` = `d · (u[j] − offset)`, the operand the integer matrix
-    /// products ([`crate::gemm_int8`]) multiply with int8 activations.
-    /// `None` for the float rows.
-    fn codes(_block: &Self::Block) -> Option<Codes> {
+    /// For rows read by int8 activations: 32 weights of a block (sub-block
+    /// `sub` of the `BLOCK_LEN / 32`; 0 for the 32-weight rows) as unsigned
+    /// byte codes, weight `j` = `d · (u[j] − offset)`, the operand the
+    /// integer matrix products ([`crate::gemm_int8`]) multiply with int8
+    /// activations. `None` for the float rows.
+    fn codes(_block: &Self::Block, _sub: usize) -> Option<Codes> {
         None
     }
 
@@ -375,7 +392,7 @@ pub type DotKernel<F> = unsafe fn(&[<F as Format>::Block], &[<F as Format>::Act]
 /// A four-row kernel: four rows against the same activations.
 pub type Rows4Kernel<F> = unsafe fn([&[<F as Format>::Block]; 4], &[<F as Format>::Act]) -> [f32; 4];
 /// A four-row kernel over int8 activations laid out four blocks at a time
-/// ([`BlockA8x4`], `⌈n / 4⌉` of them for rows of `n` blocks).
+/// ([`BlockA8x4`], `⌈cols / 128⌉` of them for rows of `cols` weights).
 pub type Rows4QuadsKernel<F> = unsafe fn([&[<F as Format>::Block]; 4], &[BlockA8x4]) -> [f32; 4];
 
 /// One tier's kernels for a weight type. Each requires the CPU to have the
@@ -493,12 +510,13 @@ pub struct Acts<'a> {
 
 impl WeightType {
     /// Every type, in table order.
-    pub const ALL: [WeightType; 13] = [
+    pub const ALL: [WeightType; 14] = [
         WeightType::F32,
         WeightType::Bf16,
         WeightType::F16,
         WeightType::Int8,
         WeightType::Int4,
+        WeightType::Int5,
         WeightType::Q4_1,
         WeightType::Q5_0,
         WeightType::Q5_1,
@@ -509,7 +527,7 @@ impl WeightType {
         WeightType::Q6K,
     ];
 
-    /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`,
+    /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`, `int5`,
     /// and ggml's names in lower case for its types (`q4_1`, ..., `q6_k`).
     pub fn name(self) -> &'static str {
         with_type!(self, |F| F::NAME)
@@ -554,7 +572,7 @@ impl WeightType {
     /// Whether its blocks read as unsigned codes about an offset
     /// ([`Format::codes`]), which the integer matrix products need.
     pub fn has_codes(self) -> bool {
-        with_type!(self, |F| F::codes(&F::ZERO).is_some())
+        with_type!(self, |F| F::codes(&F::ZERO, 0).is_some())
     }
 
     /// Rounds `src` (whole blocks) into this type's blocks, written as bytes
@@ -739,6 +757,7 @@ mod tests {
         row_contract::<F16>();
         row_contract::<Int8>();
         row_contract::<Int4>();
+        row_contract::<Int5>();
         row_contract::<Q4_1>();
         row_contract::<Q5_0>();
         row_contract::<Q5_1>();
@@ -835,6 +854,7 @@ mod tests {
         distinct::<F16>();
         distinct::<Int8>();
         distinct::<Int4>();
+        distinct::<Int5>();
         distinct::<Q4_1>();
         distinct::<Q5_0>();
         distinct::<Q5_1>();
@@ -855,24 +875,78 @@ mod tests {
             let mut raw: Vec<u8> = synth(64 * size, 34).iter().map(|v| (v.to_bits() >> 7) as u8).collect();
             let blocks: &mut [F::Block] = bytemuck::cast_slice_mut(&mut raw);
             for b in blocks.iter_mut() {
-                // The scale (the block's first two bytes) finite.
+                // The scales (the block's first two bytes, or first eight:
+                // INT5's four) finite.
                 let bytes: &mut [u8] = bytemuck::bytes_of_mut(b);
-                bytes[1] = (bytes[1] & 0x83) | 0x1c;
+                let scales = if F::BLOCK_LEN == QK5 { 4 } else { 1 };
+                for s in 0..scales {
+                    bytes[2 * s + 1] = (bytes[2 * s + 1] & 0x83) | 0x1c;
+                }
             }
             let mut want = vec![0.0; blocks.len() * F::BLOCK_LEN];
             F::dequantize_reference(blocks, &mut want);
             for (b, want) in blocks.iter().zip(want.chunks_exact(F::BLOCK_LEN)) {
-                let c = F::codes(b).expect("a format with codes");
-                assert!(c.u.iter().all(|&u| (u as i32) < 2 * c.offset), "{} codes below 2 · offset", F::NAME);
-                for (j, (&u, &w)) in c.u.iter().zip(want).enumerate() {
-                    let got = c.d * (u as i32 - c.offset) as f32;
-                    assert_eq!(got.to_bits(), w.to_bits(), "{} weight {j}: {got} vs {w}", F::NAME);
+                for (sub, want) in want.chunks_exact(QK_A8).enumerate() {
+                    let c = F::codes(b, sub).expect("a format with codes");
+                    assert!(c.u.iter().all(|&u| (u as i32) < 2 * c.offset), "{} codes below 2 · offset", F::NAME);
+                    for (j, (&u, &w)) in c.u.iter().zip(want).enumerate() {
+                        let got = c.d * (u as i32 - c.offset) as f32;
+                        assert_eq!(got.to_bits(), w.to_bits(), "{} weight {j} of {sub}: {got} vs {w}", F::NAME);
+                    }
                 }
             }
         }
         check::<Int8>();
         check::<Int4>();
+        check::<Int5>();
         check::<Q5_0>();
+    }
+
+    /// The rows with codes at fast precision go through the integer
+    /// matrix products (`gemm_int8`) on every x86 tier: each token's
+    /// outputs equal the reference dots against that token's int8
+    /// activations (scalar, which has no integer kernels, computes in f32:
+    /// the dequantized weights' exact products). 40 rows (a panel and a
+    /// part), 384 columns (three INT5 blocks), 5 tokens.
+    fn integer_products_take<F: Format<Act = BlockA8>>() {
+        let (rows, cols, t) = (40, 384, 5);
+        let per_row = cols / F::BLOCK_LEN;
+        let mut w = vec![F::ZERO; rows * per_row];
+        F::quantize_row(&synth(rows * cols, 5), &mut w);
+        let x = synth(t * cols, 6);
+        let m = MatRef::new(F::wrap(&w), rows, cols);
+        assert!(crate::gemm_int8::handles(&m), "{}", F::NAME);
+        let mut wf = vec![0.0; rows * cols];
+        F::dequantize_reference(&w, &mut wf);
+        for isa in Isa::supported() {
+            let integer = crate::gemm_int8::available(isa);
+            let mut y = vec![f32::NAN; t * rows];
+            crate::matmul_with(isa, crate::Precision::Fast, m, &x, &mut y);
+            for tok in 0..t {
+                let xt = &x[tok * cols..(tok + 1) * cols];
+                let mut a = vec![BlockA8::ZERO; cols / QK_A8];
+                quantize_activations_scalar(xt, &mut a);
+                for r in 0..rows {
+                    let want = if integer {
+                        F::dot_reference(&w[r * per_row..(r + 1) * per_row], &a)
+                    } else {
+                        wf[r * cols..(r + 1) * cols].iter().zip(xt).map(|(a, b)| a * b).sum()
+                    };
+                    let got = y[tok * rows + r];
+                    assert!(
+                        (got - want).abs() <= 1e-5 * cols as f32,
+                        "{} {isa:?} token {tok} row {r}: {got} vs {want}",
+                        F::NAME
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integer_products_take_q5_0_and_int5() {
+        integer_products_take::<Q5_0>();
+        integer_products_take::<Int5>();
     }
 
     #[test]
@@ -883,6 +957,8 @@ mod tests {
         }
         assert_eq!(WeightType::Int8.block_bytes(), 34);
         assert_eq!(WeightType::Int4.block_bytes(), 18);
+        assert_eq!((WeightType::Int5.block_len(), WeightType::Int5.block_bytes()), (128, 88));
+        assert!(WeightType::Int5.is_quantized() && WeightType::Int5.has_codes());
         // ggml's sizes (`GGML_QUANT_SIZES`).
         for (ty, len, bytes) in [
             (WeightType::Q4_1, 32, 20),

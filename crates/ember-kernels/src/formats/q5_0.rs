@@ -107,7 +107,7 @@ impl Format for Q5_0 {
 
     /// The five-bit codes themselves, offset 16.
     #[inline]
-    fn codes(b: &BlockQ5_0) -> Option<Codes> {
+    fn codes(b: &BlockQ5_0, _sub: usize) -> Option<Codes> {
         Some(Codes { d: b.d.to_f32(), u: codes5(b.qh, &b.qs), offset: 16 })
     }
 
@@ -135,49 +135,5 @@ impl Format for Q5_0 {
             }
         }
         x86_kernels!(tier, legacy_avx2, dot_q5_0, rows4_q5_0, dequantize_q5_0)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::formats::{quantize_activations_scalar, MatRef};
-    use crate::testutil::synth;
-    use crate::{Isa, Precision};
-
-    /// Q5_0 has codes, so prefill at fast precision runs it through the
-    /// integer matrix products (`gemm_int8`) on every x86 tier: each token's
-    /// outputs equal the reference dots against that token's int8
-    /// activations (scalar, which has no integer kernels, computes in f32:
-    /// the dequantized weights' exact products).
-    #[test]
-    fn integer_products_take_q5_0() {
-        let (rows, cols, t) = (40, 96, 5);
-        let mut w = vec![BlockQ5_0::ZERO; rows * cols / QK];
-        Q5_0::quantize_row(&synth(rows * cols, 5), &mut w);
-        let x = synth(t * cols, 6);
-        let m = MatRef::new(Q5_0::wrap(&w), rows, cols);
-        assert!(crate::gemm_int8::handles(&m));
-        let mut wf = vec![0.0; rows * cols];
-        Q5_0::dequantize_reference(&w, &mut wf);
-        for isa in Isa::supported() {
-            let integer = crate::gemm_int8::available(isa);
-            let mut y = vec![f32::NAN; t * rows];
-            crate::matmul_with(isa, Precision::Fast, m, &x, &mut y);
-            for tok in 0..t {
-                let xt = &x[tok * cols..(tok + 1) * cols];
-                let mut a = vec![BlockA8::ZERO; cols / QK];
-                quantize_activations_scalar(xt, &mut a);
-                for r in 0..rows {
-                    let want = if integer {
-                        Q5_0::dot_reference(&w[r * cols / QK..(r + 1) * cols / QK], &a)
-                    } else {
-                        wf[r * cols..(r + 1) * cols].iter().zip(xt).map(|(a, b)| a * b).sum()
-                    };
-                    let got = y[tok * rows + r];
-                    assert!((got - want).abs() <= 1e-5 * cols as f32, "{isa:?} token {tok} row {r}: {got} vs {want}");
-                }
-            }
-        }
     }
 }
