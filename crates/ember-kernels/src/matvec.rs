@@ -408,7 +408,9 @@ fn gate_up_rows_of<F: Format>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::{bf16, f16, quantize_activations_scalar, BlockQ4, BlockQ8, Int4, Int8, Weights};
+    use crate::formats::{
+        bf16, f16, quantize_activations_scalar, BlockQ4, BlockQ5, BlockQ8, Int4, Int5, Int8, Weights, QK5,
+    };
     use crate::testutil::{close, synth};
 
     fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
@@ -451,7 +453,7 @@ mod tests {
     #[test]
     fn quantized_matvec_matches_the_integer_reference() {
         // Odd block counts (3, 5) take the kernels' ragged ends in the four-row form.
-        for (rows, cols) in [(1, 32), (7, 64), (9, 96), (8, 160), (64, 896), (301, 256)] {
+        for (rows, cols) in [(1, 32), (7, 64), (9, 96), (8, 160), (64, 896), (301, 256), (5, 384)] {
             let w = synth(rows * cols, rows as u64 + 3);
             let x = synth(cols, 5);
             let mut xq = vec![BlockA8::ZERO; cols / QK_A8];
@@ -462,7 +464,16 @@ mod tests {
             let b = cols / 32;
             let want8: Vec<f32> = (0..rows).map(|r| Int8::dot_reference(&q8[r * b..(r + 1) * b], &xq)).collect();
             let want4: Vec<f32> = (0..rows).map(|r| Int4::dot_reference(&q4[r * b..(r + 1) * b], &xq)).collect();
-            for (weights, want) in [(Weights::Int8(&q8), want8), (Weights::Int4(&q4), want4)] {
+            let mut cases = vec![(Weights::Int8(&q8), want8), (Weights::Int4(&q4), want4)];
+            // INT5 where the rows are whole 128-weight blocks.
+            let mut q5 = vec![BlockQ5::ZERO; rows * cols / QK5];
+            if cols.is_multiple_of(QK5) {
+                Int5::quantize_row(&w, &mut q5);
+                let b5 = cols / QK5;
+                let want5 = (0..rows).map(|r| Int5::dot_reference(&q5[r * b5..(r + 1) * b5], &xq)).collect();
+                cases.push((Weights::Int5(&q5), want5));
+            }
+            for (weights, want) in cases {
                 let m = MatRef::new(weights, rows, cols);
                 for isa in Isa::supported() {
                     let mut y = vec![0.0; rows];
