@@ -145,7 +145,7 @@ impl WeightRole {
 /// to INT5 (5.5 bits a weight against 8.5), same corpus: the LM head 0.082
 /// / 87.3% (0.079 / 87.5% before, 12% fewer bytes a token); + o 0.082 /
 /// 86.9% (this mix, 14% fewer: 0.353 GB a token, Q4_0's file 0.346); +
-/// down too 0.087 / 86.4% (0.314 GB), left at INT8 for its quality.
+/// down too 0.087 / 86.1% (0.314 GB), left at INT8 for its quality.
 pub const INT4_MIX: [(WeightRole, WeightType); 5] = [
     (WeightRole::Vocabulary, WeightType::Int5),
     (WeightRole::K, WeightType::Int8),
