@@ -22,7 +22,7 @@ use crate::gguf::{gguf_name, GgmlType, DEFAULT_ALIGNMENT};
 use crate::quantize::{held_tensors, stored_tensors};
 use crate::qwen2::Qwen2;
 use crate::weights::TensorStore;
-use ember_kernels::formats::{BlockQ5, BlockQ5_0};
+use ember_kernels::formats::BlockQ5;
 use ember_kernels::WeightType;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -144,13 +144,7 @@ pub fn write_gguf(src: &Path, store: &TensorStore, model: &Qwen2, file_type: u32
         } else if t.dtype == WeightType::Int5 {
             // No ggml type holds INT5's layout; each of its sub-blocks is a
             // Q5_0 block in value, so it is written as Q5_0 without loss.
-            let size = std::mem::size_of::<BlockQ5>();
-            let q5: Vec<BlockQ5_0> = t
-                .as_bytes()
-                .chunks_exact(size)
-                .flat_map(|b| bytemuck::pod_read_unaligned::<BlockQ5>(b).to_q5_0())
-                .collect();
-            (ggml_type(WeightType::Q5_0, &t.name, out)?, std::borrow::Cow::Owned(bytemuck::cast_slice(&q5).to_vec()))
+            (ggml_type(WeightType::Q5_0, &t.name, out)?, std::borrow::Cow::Owned(BlockQ5::q5_0_bytes(t.as_bytes())))
         } else {
             (ggml_type(t.dtype, &t.name, out)?, std::borrow::Cow::Borrowed(t.as_bytes()))
         };

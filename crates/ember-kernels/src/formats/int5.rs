@@ -66,7 +66,7 @@ impl BlockQ5 {
 
     /// The two fifth-bit planes as u64: weights 0..16 of each sub-block, then 16..32.
     #[inline]
-    fn planes(&self) -> [u64; 2] {
+    pub(crate) fn planes(&self) -> [u64; 2] {
         let (lo, hi) = self.qh.split_at(8);
         [u64::from_le_bytes(lo.try_into().unwrap()), u64::from_le_bytes(hi.try_into().unwrap())]
     }
@@ -111,6 +111,18 @@ impl BlockQ5 {
             let (qh, qs) = pack5(&self.codes(b));
             BlockQ5_0 { d: self.d[b], qh, qs }
         })
+    }
+
+    /// Stored INT5 bytes (whole blocks, any alignment) as the bytes of the
+    /// Q5_0 blocks of the same numbers, in order.
+    pub fn q5_0_bytes(bytes: &[u8]) -> Vec<u8> {
+        let size = std::mem::size_of::<BlockQ5>();
+        assert!(bytes.len().is_multiple_of(size), "INT5 data holds whole blocks");
+        let mut out = Vec::with_capacity(bytes.len() / size * SUBS * std::mem::size_of::<BlockQ5_0>());
+        for b in bytes.chunks_exact(size) {
+            out.extend_from_slice(bytemuck::cast_slice(&bytemuck::pod_read_unaligned::<BlockQ5>(b).to_q5_0()));
+        }
+        out
     }
 }
 

@@ -155,8 +155,7 @@ pub(super) unsafe fn fifth_bits(bits: u32) -> __m256i {
 pub unsafe fn dequantize_int5(src: &[BlockQ5], dst: &mut [f32]) {
     let sixteen = _mm256_set1_epi8(16);
     for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK5)) {
-        let lo = u64::from_le_bytes(b.qh[..8].try_into().unwrap());
-        let hi = u64::from_le_bytes(b.qh[8..].try_into().unwrap());
+        let [lo, hi] = b.planes();
         for s in 0..4 {
             let bits = ((lo >> (16 * s)) & 0xffff) as u32 | (((hi >> (16 * s)) & 0xffff) as u32) << 16;
             let codes = _mm256_or_si256(nibbles(b.qs.as_ptr().add(16 * s)), fifth_bits(bits));
@@ -520,6 +519,8 @@ pub mod int5 {
                 #[target_feature(enable = $features)]
                 unsafe fn step<const R: usize>(w: &[&[BlockQ5]; R], m: usize, q: &BlockA8x4, acc: &mut [__m256; R]) {
                     let nibble = _mm256_set1_epi8(15);
+                    // Register r's scales: sub-block 2r's in the low lane, 2r + 1's in the high.
+                    let spread = [_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)];
                     let dx = _mm_loadu_ps(q.d.as_ptr());
                     for k in 0..R {
                         let b = w[k].get_unchecked(m);
@@ -545,17 +546,7 @@ pub mod int5 {
                             let start = _mm256_load_si256(q.start.as_ptr().add(8 * r) as *const __m256i);
                             let $acc = _mm256_add_epi32(start, start);
                             let s = $dot;
-                            let idx = _mm256_setr_epi32(
-                                2 * r as i32,
-                                2 * r as i32,
-                                2 * r as i32,
-                                2 * r as i32,
-                                2 * r as i32 + 1,
-                                2 * r as i32 + 1,
-                                2 * r as i32 + 1,
-                                2 * r as i32 + 1,
-                            );
-                            let d = _mm256_permutevar8x32_ps(d4, idx);
+                            let d = _mm256_permutevar8x32_ps(d4, spread[r]);
                             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
                         }
                     }
