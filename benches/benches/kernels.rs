@@ -18,7 +18,9 @@ fn values(n: usize) -> Vec<f32> {
 }
 
 fn bench_matvec(c: &mut Criterion) {
-    use ember_kernels::formats::{BlockQ4, BlockQ5, BlockQ5_0, BlockQ8, Format, Int4, Int5, Int8, Q5_0};
+    use ember_kernels::formats::{
+        BlockQ4, BlockQ4_0, BlockQ5, BlockQ5_0, BlockQ8, Format, Int4, Int5, Int8, Q4_0, Q5_0,
+    };
     for (rows, cols) in SHAPES {
         let w = values(rows * cols);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -26,9 +28,13 @@ fn bench_matvec(c: &mut Criterion) {
         let x = values(cols);
         let mut y = vec![0.0; rows];
         // The quantized rows read int8 activations, quantized once per call.
-        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+        // INT4 and INT5 are 128-weight blocks (every shape here is whole blocks).
+        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 128]);
         Int8::quantize_row(&w, &mut q8);
         Int4::quantize_row(&w, &mut q4);
+        // ggml's Q4_0, as GGUF files carry it: INT4's numbers before its own layout.
+        let mut q4_0 = vec![BlockQ4_0::ZERO; rows * cols / 32];
+        Q4_0::quantize_row(&w, &mut q4_0);
         // ggml's Q5_0, as GGUF files carry it (Q4_K_M files of this model too,
         // for the matrices whose rows are not whole 256-weight super-blocks).
         let mut q5 = vec![BlockQ5_0::ZERO; rows * cols / 32];
@@ -44,6 +50,7 @@ fn bench_matvec(c: &mut Criterion) {
             ("f16", Weights::F16(&wh)),
             ("int8", Weights::Int8(&q8)),
             ("int4", Weights::Int4(&q4)),
+            ("q4_0", Weights::Q4_0(&q4_0)),
             ("q5_0", Weights::Q5_0(&q5)),
             ("int5", Weights::Int5(&q5x4)),
         ] {
@@ -107,7 +114,7 @@ fn bench_quantized_and_batched(c: &mut Criterion) {
     use ember_kernels::formats::{BlockQ4, BlockQ8, Format, Int4, Int8};
     for (rows, cols) in [(896, 896), (4864, 896), (896, 4864)] {
         let w = values(rows * cols);
-        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 128]);
         Int8::quantize_row(&w, &mut q8);
         Int4::quantize_row(&w, &mut q4);
         let x = values(PREFILL_TOKENS * cols);

@@ -416,7 +416,10 @@ fn nan_weights_are_an_error_not_a_token() {
 
 #[test]
 fn quantizing_an_int8_folder_to_int4_is_refused() {
-    let model = tiny_model();
+    // Rows of whole 128-weight blocks, so `--quant int4` wants INT4 (the
+    // tiny fixtures' 64-wide rows would get INT8 either way).
+    let wide = model_tests::wide_model();
+    let model = wide.path();
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let (q8, q4) = (tmp.join(format!("ember-cli-rq8-{}", std::process::id())), tmp.join("ember-cli-rq4"));
     let _ = std::fs::remove_dir_all(&q8);
@@ -433,6 +436,10 @@ fn quantizing_an_int8_folder_to_int4_is_refused() {
     assert_eq!(std::fs::read(q8.join("model.safetensors")).unwrap(), before, "the source is untouched");
     let _ = std::fs::remove_dir_all(&q8);
 }
+
+/// `ember-model`'s test helpers (the wide random model).
+#[path = "../../ember-model/tests/common/mod.rs"]
+mod model_tests;
 
 #[test]
 fn an_unwritable_out_is_refused_before_quantizing() {

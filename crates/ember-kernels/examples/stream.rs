@@ -1,4 +1,4 @@
-//! One thread streaming 1 GB of INT4, INT5, INT8 and Q5_0 rows from memory
+//! One thread streaming 1 GB of INT4, INT5, INT8, Q4_0 and Q5_0 rows from memory
 //! through the active tier's mat-vec kernels, against a plain read of the
 //! same bytes: how close the kernels come to the memory bus on their own,
 //! with no threads, sections or serial work around them (what `ember
@@ -10,7 +10,7 @@
 //! rows are short, 504 bytes in INT4). `EMBER_ISA` picks the tier.
 
 use ember_kernels::bandwidth::sum_words_with;
-use ember_kernels::formats::{BlockQ4, BlockQ5, BlockQ5_0, BlockQ8};
+use ember_kernels::formats::{BlockQ4, BlockQ4_0, BlockQ5, BlockQ5_0, BlockQ8};
 use ember_kernels::{f16, matvec_with, Isa, MatRef, Weights};
 use std::time::Instant;
 
@@ -50,11 +50,11 @@ fn main() {
     let d = f16::from_f32(0.01);
     let mut streams = vec![
         Stream::new(
-            "INT4",
+            "Q4_0",
             cols,
             32,
-            |i| BlockQ4 { d, qs: [(i * 37) as u8; 16] },
-            |b| Weights::Int4(bytemuck::cast_slice(b)),
+            |i| BlockQ4_0 { d, qs: [(i * 37) as u8; 16] },
+            |b| Weights::Q4_0(bytemuck::cast_slice(b)),
         ),
         Stream::new(
             "INT8",
@@ -71,8 +71,16 @@ fn main() {
             |b| Weights::Q5_0(bytemuck::cast_slice(b)),
         ),
     ];
-    // INT5's blocks are 128 weights: only for rows of whole blocks.
+    // INT4's and INT5's blocks are 128 weights: only for rows of whole blocks.
     if cols.is_multiple_of(128) {
+        let int4 = Stream::new(
+            "INT4",
+            cols,
+            128,
+            |i| BlockQ4 { d: [d; 4], qs: [(i * 37) as u8; 64] },
+            |b| Weights::Int4(bytemuck::cast_slice(b)),
+        );
+        streams.insert(0, int4);
         let int5 = Stream::new(
             "INT5",
             cols,
@@ -84,7 +92,7 @@ fn main() {
             },
             |b| Weights::Int5(bytemuck::cast_slice(b)),
         );
-        streams.insert(1, int5);
+        streams.insert(2, int5);
     }
     println!("tier {}, {cols} columns, 1 thread, {} MB a pass", isa.name(), BYTES >> 20);
     let gb_s = |bytes: usize, t: Instant| bytes as f64 / t.elapsed().as_secs_f64() / 1e9;

@@ -795,13 +795,13 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::{f16, BlockQ4, BlockQ8, Int4, Int8};
+    use crate::formats::{f16, BlockQ4_0, BlockQ8, Int4, Int8, Q4_0};
     use crate::testutil::synth;
 
     /// `y (T, rows)` from `isa`'s kernel, checked against the reference.
     fn check<F: Format<Act = BlockA8>>(isa: Isa, rows: usize, cols: usize, t: usize) -> Vec<f32> {
         let w = synth(rows * cols, rows as u64 + 1);
-        let mut q = vec![F::ZERO; rows * cols / QK_A8];
+        let mut q = vec![F::ZERO; rows * cols / F::BLOCK_LEN];
         F::quantize_row(&w, &mut q);
         let x = synth(t * cols, t as u64 + 9);
         let mut buf = Vec::new();
@@ -854,25 +854,30 @@ mod tests {
         for (rows, cols, t) in
             [(1, 32, 1), (5, 64, 2), (11, 64, 5), (17, 96, 7), (24, 96, 3), (64, 128, 13), (40, 896, 6), (33, 32, 20)]
         {
-            let (mut first8, mut first4) = (None, None);
+            let (mut first8, mut first4, mut first4x4) = (None, None, None);
             for isa in kernels_here() {
-                let (y8, y4) = (check::<Int8>(isa, rows, cols, t), check::<Int4>(isa, rows, cols, t));
+                let (y8, y4) = (check::<Int8>(isa, rows, cols, t), check::<Q4_0>(isa, rows, cols, t));
                 // Every kernel sums the same integers and adds each block's
                 // scaled sum to a row's f32 in the same order: the same bits.
                 assert_eq!(&y8, first8.get_or_insert_with(|| y8.clone()), "{isa:?} int8 {rows}x{cols} t={t}");
-                assert_eq!(&y4, first4.get_or_insert_with(|| y4.clone()), "{isa:?} int4 {rows}x{cols} t={t}");
+                assert_eq!(&y4, first4.get_or_insert_with(|| y4.clone()), "{isa:?} q4_0 {rows}x{cols} t={t}");
+                // INT4's rows are whole 128-weight blocks.
+                if cols % 128 == 0 {
+                    let y = check::<Int4>(isa, rows, cols, t);
+                    assert_eq!(&y, first4x4.get_or_insert_with(|| y.clone()), "{isa:?} int4 {rows}x{cols} t={t}");
+                }
             }
         }
         // The blocks' codes rebuild the weights, and lie below twice the
         // offset (what signed storage relies on).
         let w = synth(64, 3);
-        let (mut q8, mut q4) = ([BlockQ8::ZERO; 2], [BlockQ4::ZERO; 2]);
+        let (mut q8, mut q4) = ([BlockQ8::ZERO; 2], [BlockQ4_0::ZERO; 2]);
         Int8::quantize_row(&w, &mut q8);
-        Int4::quantize_row(&w, &mut q4);
+        Q4_0::quantize_row(&w, &mut q4);
         let (mut d8, mut d4) = (vec![0.0; 64], vec![0.0; 64]);
         Int8::dequantize_reference(&q8, &mut d8);
-        Int4::dequantize_reference(&q4, &mut d4);
-        for (blocks, want) in [(Int8::codes(&q8[1], 0), &d8[32..]), (Int4::codes(&q4[1], 0), &d4[32..])] {
+        Q4_0::dequantize_reference(&q4, &mut d4);
+        for (blocks, want) in [(Int8::codes(&q8[1], 0), &d8[32..]), (Q4_0::codes(&q4[1], 0), &d4[32..])] {
             let c = blocks.unwrap();
             for (&u, &want) in c.u.iter().zip(want) {
                 assert_eq!(c.d * (u as i32 - c.offset) as f32, want);
@@ -881,8 +886,8 @@ mod tests {
         }
     }
 
-    /// Codes at the ends of their ranges (INT8 −128, −127 and 127; INT4
-    /// nibbles 0 and 15) against activations of ±127, with scales of 1 so
+    /// Codes at the ends of their ranges (INT8 −128, −127 and 127; Q4_0's
+    /// nibbles 0 and 15, which INT4's sub-blocks share) against activations of ±127, with scales of 1 so
     /// that every sum is an integer f32 holds exactly: the kernels equal the
     /// reference bit for bit, so no 16-bit pair sum of `vpmaddubsw` saturated
     /// (−128 · −127 twice is 32 512, just inside), and zero codes (which
@@ -908,9 +913,9 @@ mod tests {
             .map(split)
             .map(|(r, b)| BlockQ8 { d: f16::ONE, qs: q8[(r + b * (r / 4)) % q8.len()] })
             .collect();
-        let w4: Vec<BlockQ4> = (0..rows * blocks)
+        let w4: Vec<BlockQ4_0> = (0..rows * blocks)
             .map(split)
-            .map(|(r, b)| BlockQ4 { d: f16::ONE, qs: q4[(r + b * (r / 4)) % q4.len()] })
+            .map(|(r, b)| BlockQ4_0 { d: f16::ONE, qs: q4[(r + b * (r / 4)) % q4.len()] })
             .collect();
         let xs: Vec<BlockA8> = (0..t * blocks)
             .map(split)
@@ -927,9 +932,9 @@ mod tests {
             assert_eq!(want[rows], (blocks * 32 * 128 * 127) as f32);
             matmul_rows::<Int8>(isa, &w8, 0..rows, &acts, &Out::new(&mut y, rows));
             assert_eq!(y, want, "{isa:?} int8");
-            matmul_reference::<Int4>(&w4, &acts, &mut want);
-            matmul_rows::<Int4>(isa, &w4, 0..rows, &acts, &Out::new(&mut y, rows));
-            assert_eq!(y, want, "{isa:?} int4");
+            matmul_reference::<Q4_0>(&w4, &acts, &mut want);
+            matmul_rows::<Q4_0>(isa, &w4, 0..rows, &acts, &Out::new(&mut y, rows));
+            assert_eq!(y, want, "{isa:?} q4_0");
         }
     }
 }

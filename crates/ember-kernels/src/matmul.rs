@@ -1273,7 +1273,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::{bf16, f16, BlockQ4, BlockQ8, Format, Int4, Int8};
+    use crate::formats::{bf16, f16, BlockQ4, BlockQ4_0, BlockQ8, Format, Int4, Int8, Q4_0};
     use crate::testutil::synth;
     const QK: usize = 32;
 
@@ -1302,11 +1302,16 @@ mod tests {
             let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
             let mut all = vec![Weights::F32(&w), Weights::Bf16(&wb), Weights::F16(&wh)];
             // Quantized weights where rows are whole blocks.
-            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; w.len() / QK], vec![BlockQ4::ZERO; w.len() / QK]);
+            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; w.len() / QK], vec![BlockQ4_0::ZERO; w.len() / QK]);
+            let mut q4x4 = vec![BlockQ4::ZERO; w.len() / (4 * QK)];
             if cols % QK == 0 {
                 Int8::quantize_row(&w, &mut q8);
-                Int4::quantize_row(&w, &mut q4);
-                all.extend([Weights::Int8(&q8), Weights::Int4(&q4)]);
+                Q4_0::quantize_row(&w, &mut q4);
+                all.extend([Weights::Int8(&q8), Weights::Q4_0(&q4)]);
+            }
+            if cols % (4 * QK) == 0 {
+                Int4::quantize_row(&w, &mut q4x4);
+                all.push(Weights::Int4(&q4x4));
             }
             for weights in all {
                 let m = MatRef::new(weights, rows, cols);
@@ -1322,6 +1327,9 @@ mod tests {
                             }
                             Weights::Int4(q) if fast_int8(isa, precision, &m) => {
                                 int8_reference::<crate::formats::Int4>(q, &x, cols, rows)
+                            }
+                            Weights::Q4_0(q) if fast_int8(isa, precision, &m) => {
+                                int8_reference::<crate::formats::Q4_0>(q, &x, cols, rows)
                             }
                             Weights::Bf16(v) if fast_bf16(isa, precision, &m, t) => {
                                 let mut buf = Vec::new();

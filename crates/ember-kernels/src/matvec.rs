@@ -409,7 +409,8 @@ fn gate_up_rows_of<F: Format>(
 mod tests {
     use super::*;
     use crate::formats::{
-        bf16, f16, quantize_activations_scalar, BlockQ4, BlockQ5, BlockQ8, Int4, Int5, Int8, Weights, QK5,
+        bf16, f16, quantize_activations_scalar, BlockQ4, BlockQ4_0, BlockQ5, BlockQ8, Int4, Int5, Int8, Weights, Q4_0,
+        QK4, QK5,
     };
     use crate::testutil::{close, synth};
 
@@ -458,15 +459,22 @@ mod tests {
             let x = synth(cols, 5);
             let mut xq = vec![BlockA8::ZERO; cols / QK_A8];
             quantize_activations_scalar(&x, &mut xq);
-            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+            let (mut q8, mut q4) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ4_0::ZERO; rows * cols / 32]);
             Int8::quantize_row(&w, &mut q8);
-            Int4::quantize_row(&w, &mut q4);
+            Q4_0::quantize_row(&w, &mut q4);
             let b = cols / 32;
             let want8: Vec<f32> = (0..rows).map(|r| Int8::dot_reference(&q8[r * b..(r + 1) * b], &xq)).collect();
-            let want4: Vec<f32> = (0..rows).map(|r| Int4::dot_reference(&q4[r * b..(r + 1) * b], &xq)).collect();
-            let mut cases = vec![(Weights::Int8(&q8), want8), (Weights::Int4(&q4), want4)];
-            // INT5 where the rows are whole 128-weight blocks.
+            let want4: Vec<f32> = (0..rows).map(|r| Q4_0::dot_reference(&q4[r * b..(r + 1) * b], &xq)).collect();
+            let mut cases = vec![(Weights::Int8(&q8), want8), (Weights::Q4_0(&q4), want4)];
+            // INT4 and INT5 where the rows are whole 128-weight blocks.
+            let mut q4x4 = vec![BlockQ4::ZERO; rows * cols / QK4];
             let mut q5 = vec![BlockQ5::ZERO; rows * cols / QK5];
+            if cols.is_multiple_of(QK4) {
+                Int4::quantize_row(&w, &mut q4x4);
+                let b4 = cols / QK4;
+                let want4 = (0..rows).map(|r| Int4::dot_reference(&q4x4[r * b4..(r + 1) * b4], &xq)).collect();
+                cases.push((Weights::Int4(&q4x4), want4));
+            }
             if cols.is_multiple_of(QK5) {
                 Int5::quantize_row(&w, &mut q5);
                 let b5 = cols / QK5;
@@ -513,7 +521,7 @@ mod tests {
 
     #[test]
     fn byte_shares_cover_the_rows_once_balanced_by_bytes() {
-        let (q, k) = (vec![BlockQ4::ZERO; 96 * 4], vec![BlockQ8::ZERO; 32 * 4]);
+        let (q, k) = (vec![BlockQ4::ZERO; 96], vec![BlockQ8::ZERO; 32 * 4]);
         // 96 INT4 rows of 72 bytes, then 32 INT8 rows of 136.
         let mats = [MatRef::new(Weights::Int4(&q), 96, 128), MatRef::new(Weights::Int8(&k), 32, 128)];
         for n in 1..=5 {
@@ -586,12 +594,12 @@ mod tests {
         let (rows, cols) = (2 * SWIGLU_BLOCK + 37, 64);
         let (g, u, x) = (synth(rows * cols, 11), synth(rows * cols, 12), synth(cols, 13));
         let (mut g8, mut u8) = (vec![BlockQ8::ZERO; rows * cols / 32], vec![BlockQ8::ZERO; rows * cols / 32]);
-        let (mut g4, mut u4) = (vec![BlockQ4::ZERO; rows * cols / 32], vec![BlockQ4::ZERO; rows * cols / 32]);
+        let (mut g4, mut u4) = (vec![BlockQ4_0::ZERO; rows * cols / 32], vec![BlockQ4_0::ZERO; rows * cols / 32]);
         Int8::quantize_row(&g, &mut g8);
         Int8::quantize_row(&u, &mut u8);
-        Int4::quantize_row(&g, &mut g4);
-        Int4::quantize_row(&u, &mut u4);
-        let (g4, u4) = (MatRef::new(Weights::Int4(&g4), rows, cols), MatRef::new(Weights::Int4(&u4), rows, cols));
+        Q4_0::quantize_row(&g, &mut g4);
+        Q4_0::quantize_row(&u, &mut u4);
+        let (g4, u4) = (MatRef::new(Weights::Q4_0(&g4), rows, cols), MatRef::new(Weights::Q4_0(&u4), rows, cols));
         let (g8, u8) = (MatRef::new(Weights::Int8(&g8), rows, cols), MatRef::new(Weights::Int8(&u8), rows, cols));
         let pairs = [(g4, u4), (g8, u8), (g8, u4)];
         for (gm, um) in pairs {

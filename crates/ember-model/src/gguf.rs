@@ -90,17 +90,16 @@ impl GgmlType {
     /// The ember weight type whose blocks are this type's byte for byte, if
     /// ember computes with it.
     ///
-    /// Q8_0 is ember's INT8 and Q4_0 its INT4: ggml's `block_q8_0` is an
-    /// F16 scale then 32 × i8, value `d·q`; `block_q4_0` an F16 scale then 16
-    /// bytes whose low nibbles are weights 0..16 and high nibbles 16..32,
-    /// value `d·(n − 8)` (ggml's `dequantize_row_q4_0`, and the `gguf`
+    /// Q8_0 is ember's INT8: ggml's `block_q8_0` is an F16 scale then 32 ×
+    /// i8, value `d·q`, exactly [`BlockQ8`](ember_kernels::formats::BlockQ8),
+    /// so the same kernels run it: one implementation, not two. Q4_0
+    /// (`block_q4_0`: an F16 scale then 16 bytes whose low nibbles are
+    /// weights 0..16 and high nibbles 16..32, value `d·(n − 8)`), Q4_1,
+    /// Q5_0, Q5_1 and the K types Q2_K .. Q6_K are rows of ember's format
+    /// table of the same names, whose blocks are ggml's
+    /// (`ember_kernels::formats`; ggml's `dequantize_row_*` and the `gguf`
     /// package's numpy dequantizers: `tests/gguf.rs` checks ember's reading
-    /// of real Q8_0 and Q4_0 tensors against them). These are exactly
-    /// [`BlockQ8`](ember_kernels::formats::BlockQ8) and
-    /// [`BlockQ4`](ember_kernels::formats::BlockQ4), so the same kernels run
-    /// them: one implementation, not two. Q4_1, Q5_0, Q5_1 and the K types
-    /// Q2_K .. Q6_K are rows of ember's format table of the same names,
-    /// whose blocks are ggml's (`ember_kernels::formats`). The others (Q8_1,
+    /// of real tensors against them). The others (Q8_1,
     /// Q8_K, the IQ and TQ types, MXFP4, integer and F64 tensors) are not run.
     pub fn weight_type(self) -> Option<ember_kernels::WeightType> {
         use ember_kernels::WeightType as W;
@@ -109,7 +108,7 @@ impl GgmlType {
             1 => Some(W::F16),
             30 => Some(W::Bf16),
             8 => Some(W::Int8),
-            2 => Some(W::Int4),
+            2 => Some(W::Q4_0),
             3 => Some(W::Q4_1),
             6 => Some(W::Q5_0),
             7 => Some(W::Q5_1),

@@ -1,12 +1,12 @@
 //! Writing a GGUF file (`ember quantize --out FILE.gguf`): a model folder
 //! quantized in memory, as llama.cpp and ember both load it.
 //!
-//! ember's INT8 and INT4 blocks are ggml's Q8_0 and Q4_0 byte for byte
+//! ember's INT8 blocks are ggml's Q8_0 byte for byte
 //! ([`GgmlType::weight_type`]), so each such matrix is written as it is
 //! held, with ember's per-tensor choice of precision (INT4's policy gives
 //! some matrices INT8 and INT5: Q8_0 and Q5_0 tensors of a Q4_0 file).
-//! INT5's blocks are four Q5_0 blocks in value, laid out for ember's
-//! kernels; they are written as those Q5_0 blocks, without loss. Matrices
+//! INT4's and INT5's blocks are four Q4_0 or Q5_0 blocks in value, laid
+//! out for ember's kernels; they are written as those blocks, without loss. Matrices
 //! ember kept in their stored precision stay BF16, F16 or F32; vectors
 //! (norms, biases) are written as F32, as llama.cpp's converter writes them.
 //!
@@ -22,7 +22,7 @@ use crate::gguf::{gguf_name, GgmlType, DEFAULT_ALIGNMENT};
 use crate::quantize::{held_tensors, stored_tensors};
 use crate::qwen2::Qwen2;
 use crate::weights::TensorStore;
-use ember_kernels::formats::BlockQ5;
+use ember_kernels::formats::{BlockQ4, BlockQ5};
 use ember_kernels::WeightType;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -141,9 +141,12 @@ pub fn write_gguf(src: &Path, store: &TensorStore, model: &Qwen2, file_type: u32
         let (ty, data) = if t.shape.len() == 1 {
             let v = t.to_f32_vec();
             (GgmlType(0), std::borrow::Cow::Owned(bytemuck::cast_slice::<f32, u8>(&v).to_vec()))
+        } else if t.dtype == WeightType::Int4 {
+            // No ggml type holds INT4's layout; each of its sub-blocks is a
+            // Q4_0 block in value, so it is written as Q4_0 without loss.
+            (ggml_type(WeightType::Q4_0, &t.name, out)?, std::borrow::Cow::Owned(BlockQ4::q4_0_bytes(t.as_bytes())))
         } else if t.dtype == WeightType::Int5 {
-            // No ggml type holds INT5's layout; each of its sub-blocks is a
-            // Q5_0 block in value, so it is written as Q5_0 without loss.
+            // Likewise INT5, as Q5_0.
             (ggml_type(WeightType::Q5_0, &t.name, out)?, std::borrow::Cow::Owned(BlockQ5::q5_0_bytes(t.as_bytes())))
         } else {
             (ggml_type(t.dtype, &t.name, out)?, std::borrow::Cow::Borrowed(t.as_bytes()))

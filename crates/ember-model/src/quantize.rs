@@ -5,11 +5,15 @@
 //!
 //! A quantized matrix is stored as a `U8` tensor of shape `[rows, bytes per
 //! row]` under its usual name, and the file's metadata maps
-//! `ember.quant.<name>` to its format (`int8` / `int4` / `int5`).
+//! `ember.quant.<name>` to its format (`int8` / `int4` / `int5`), and
+//! `ember.int4` to `128` ([`crate::weights::INT4_LAYOUT_KEY`]: INT4's blocks
+//! are 128 weights; files without it are from before, their `int4` Q4_0).
 
 use crate::error::{Error, Result};
 use crate::qwen2::Qwen2;
-use crate::weights::{quant_key, safetensors_dtype, write_safetensors, Tensor, TensorStore};
+use crate::weights::{
+    quant_key, safetensors_dtype, write_safetensors, Tensor, TensorStore, INT4_LAYOUT, INT4_LAYOUT_KEY,
+};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -91,11 +95,12 @@ fn replace_dir(new: &Path, out: &Path) -> Result<()> {
 /// The weights and the small files, into the empty folder `out`.
 fn write_files(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Result<()> {
     let mut quantized = held_tensors(model);
-    quantized.retain(|_, t| t.dtype.is_quantized());
+    quantized.retain(|_, t| !t.dtype.is_float());
     let originals = stored_tensors(store)?;
     let mut tensors = Vec::new();
     let mut metadata = BTreeMap::new();
     metadata.insert("format".to_string(), "pt".to_string());
+    metadata.insert(INT4_LAYOUT_KEY.to_string(), INT4_LAYOUT.to_string());
     for t in &originals {
         match quantized.get(&t.name) {
             Some(q) => {
@@ -105,8 +110,9 @@ fn write_files(src: &Path, store: &TensorStore, model: &Qwen2, out: &Path) -> Re
                 metadata.insert(quant_key(&t.name), format.name().to_string());
                 tensors.push((t.name.clone(), "U8".into(), vec![rows, row_bytes], q.as_bytes()));
             }
-            None if t.dtype.is_quantized() => {
-                // Already quantized in the source folder: keep its format.
+            None if !t.dtype.is_float() => {
+                // Already in blocks in the source folder: keep its format
+                // (an INT4 folder from before 128-weight blocks: Q4_0).
                 metadata.insert(quant_key(&t.name), t.dtype.name().to_string());
                 let rows = t.shape[0];
                 tensors.push((t.name.clone(), "U8".into(), vec![rows, t.size_bytes() / rows], t.as_bytes()));

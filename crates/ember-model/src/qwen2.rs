@@ -174,7 +174,7 @@ impl QuantPolicy {
 
     /// The type the matrix of `role`, rows of `cols` weights, gets: its
     /// override or `format`; INT8 where the rows are not whole blocks of
-    /// that type (INT5's are 128 weights; Qwen2.5's sizes are all
+    /// that type (INT4's and INT5's are 128 weights; Qwen2.5's sizes are all
     /// multiples of 128).
     pub fn format_for(&self, role: WeightRole, cols: usize) -> WeightType {
         let ty = self.overrides.iter().find(|(r, _)| *r == role).map_or(self.format, |&(_, t)| t);
@@ -364,7 +364,7 @@ impl Qwen2 {
         // Check everything first, so an error leaves the model untouched.
         let check = |t: &Tensor, name: String, role: WeightRole| {
             let wanted = policy.format_for(role, t.shape[1]);
-            match t.dtype.is_quantized() && t.dtype != wanted {
+            match !t.dtype.is_float() && t.dtype != wanted {
                 true => {
                     Err(Error::AlreadyQuantized { name, stored: t.dtype.name().into(), wanted: wanted.name().into() })
                 }

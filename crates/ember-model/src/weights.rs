@@ -22,11 +22,20 @@ pub fn quant_key(name: &str) -> String {
     format!("ember.quant.{name}")
 }
 
+/// The file-wide safetensors metadata key that says a file's `int4` tensors
+/// are INT4's 128-weight blocks ([`ember_kernels::formats::BlockQ4`]), with
+/// the value [`INT4_LAYOUT`]. Files written before INT4 had that layout
+/// lack it; their `int4` tensors are ggml's Q4_0 blocks byte for byte (what
+/// INT4 was then) and load as [`WeightType::Q4_0`].
+pub const INT4_LAYOUT_KEY: &str = "ember.int4";
+/// The value of [`INT4_LAYOUT_KEY`]: weights per INT4 block.
+pub const INT4_LAYOUT: &str = "128";
+
 /// The safetensors dtype a weight type is stored as: its own name for the
 /// float types (`F32`, `BF16`, `F16`), `U8` blocks (with [`quant_key`]
-/// metadata) for the quantized ones.
+/// metadata) for the block types.
 pub fn safetensors_dtype(t: WeightType) -> String {
-    if t.is_quantized() {
+    if !t.is_float() {
         "U8".into()
     } else {
         t.name().to_uppercase()
@@ -149,10 +158,10 @@ impl Tensor {
         }
     }
 
-    /// A quantized matrix widened back to F32 (owned): the exact values the
-    /// quantized kernels compute with. Other tensors are returned as they are.
+    /// A matrix of blocks widened back to F32 (owned): the exact values the
+    /// quantized kernels compute with. Float tensors are returned as they are.
     pub fn dequantize(&self) -> Tensor {
-        if !self.dtype.is_quantized() {
+        if self.dtype.is_float() {
             return self.clone();
         }
         let values = self.to_f32_vec();
@@ -172,7 +181,7 @@ impl Tensor {
     /// type's blocks are longer than the rows allow).
     pub fn can_quantize(&self) -> bool {
         let block = WeightType::Int8.block_len();
-        self.shape.len() == 2 && self.shape[1].is_multiple_of(block) && !self.dtype.is_quantized()
+        self.shape.len() == 2 && self.shape[1].is_multiple_of(block) && self.dtype.is_float()
     }
 
     /// Whether two tensors are the same bytes (a tied LM head).
@@ -409,6 +418,16 @@ impl TensorStore {
             let data_start = 8 + header_len;
             let mut misaligned = false;
             let extra = meta.metadata().clone().unwrap_or_default();
+            let int4_blocks = match extra.get(INT4_LAYOUT_KEY).map(String::as_str) {
+                None => false,
+                Some(INT4_LAYOUT) => true,
+                Some(other) => {
+                    return Err(bad(format!(
+                        "metadata `{INT4_LAYOUT_KEY}` = `{other}`: this ember reads INT4 blocks of {INT4_LAYOUT} \
+                         weights only (a file from a newer ember?)"
+                    )))
+                }
+            };
             let tensors = meta.tensors();
             // Every `ember.quant.*` key names a tensor of this file.
             let mut keys: Vec<&String> = extra.keys().collect();
@@ -424,8 +443,10 @@ impl TensorStore {
                 let dtype = match (info.dtype, extra.get(&quant_key(&name))) {
                     (Dtype::U8, Some(format)) => {
                         let q = WeightType::from_name(format)
-                            .filter(|q| q.is_quantized())
+                            .filter(|q| !q.is_float())
                             .ok_or_else(|| bad(format!("tensor `{name}`: unknown ember format `{format}`")))?;
+                        // INT4 before its 128-weight blocks: Q4_0's bytes.
+                        let q = if q == WeightType::Int4 && !int4_blocks { WeightType::Q4_0 } else { q };
                         // Stored as [rows, bytes per row]; the logical shape
                         // is [rows, weights per row].
                         if shape.len() != 2 || shape[1] % q.block_bytes() != 0 {

@@ -16,6 +16,7 @@
 //! optimised, with overflow checks, for longer (`--list`, `--target`,
 //! `--time`, `--cases`, `--seed`).
 
+mod common;
 mod fuzzing;
 
 use ember_model::advanced::quantize::{write_folder, write_gguf};
@@ -631,13 +632,18 @@ struct QuantCase {
 
 /// The `ember.quant.*` metadata and U8 block tensors of INT8 and INT4
 /// folders written by `ember quantize` (the library's `write_folder`), edited.
+/// INT4's folder is of a model with 128-wide rows (INT4's and INT5's blocks;
+/// the tiny model's 64-wide rows get INT8): its INT4, INT5 and INT8 tensors.
 #[test]
 fn fuzz_quant_metadata() {
     let scratch = fuzzing::Scratch::new("quant");
-    let src = tiny_chat();
-    let store = TensorStore::open_dir(&src).unwrap();
+    let wide = scratch.path().join("wide-src");
+    copy_dir(&tiny_chat(), &wide);
+    common::write_wide_model(&wide);
     let mut files = Vec::new();
     for (fmt, name) in [(WeightType::Int8, "int8"), (WeightType::Int4, "int4")] {
+        let src = if fmt == WeightType::Int4 { wide.clone() } else { tiny_chat() };
+        let store = TensorStore::open_dir(&src).unwrap();
         let mut m = load_qwen2(&src).unwrap();
         m.quantize(&QuantPolicy::new(fmt)).unwrap();
         let out = scratch.path().join(name);
@@ -754,15 +760,16 @@ fn byte_level_bpe(n: usize) -> Value {
     })
 }
 
-/// GGUF files of the tiny model (BF16, Q8_0, Q4_0 matrices) written by
-/// ember's writer, with the byte-level tokenizer and the chat template.
+/// GGUF files of the tiny model (BF16, Q8_0, Q4_0 matrices: its 64-wide rows
+/// are rounded to Q4_0 directly, INT4's blocks being 128) written by ember's
+/// writer, with the byte-level tokenizer and the chat template.
 fn gguf_seeds(scratch: &Path) -> Vec<Vec<u8>> {
     let src = scratch.join("src");
     copy_dir(&tiny_chat(), &src);
     std::fs::write(src.join("tokenizer.json"), byte_level_bpe(96).to_string()).unwrap();
     let store = TensorStore::open_dir(&src).unwrap();
     let mut seeds = Vec::new();
-    for (q, file_type) in [(None, 32), (Some(WeightType::Int8), 7), (Some(WeightType::Int4), 2)] {
+    for (q, file_type) in [(None, 32), (Some(WeightType::Int8), 7), (Some(WeightType::Q4_0), 2)] {
         let mut m = load_qwen2(&src).unwrap();
         if let Some(q) = q {
             m.quantize(&QuantPolicy { format: q, overrides: Vec::new() }).unwrap();

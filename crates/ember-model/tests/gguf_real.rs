@@ -18,7 +18,7 @@
 
 mod common;
 
-use ember_kernels::formats::BlockQ5;
+use ember_kernels::formats::{BlockQ4, BlockQ5};
 use ember_model::advanced::gguf::Gguf;
 use ember_model::advanced::{Tensor, TensorStore};
 use ember_model::{Model, Tokenizer, WeightType};
@@ -64,7 +64,7 @@ fn fnv1a64(row: &[f32]) -> String {
 fn ember_type(ggml: &str) -> &'static str {
     match ggml {
         "Q8_0" => "int8",
-        "Q4_0" => "int4",
+        "Q4_0" => "q4_0",
         "BF16" => "bf16",
         "F16" => "f16",
         "F32" => "f32",
@@ -345,8 +345,8 @@ fn bf16_file_holds_the_folders_tensors_unpermuted() {
 /// `ember quantize --out FILE.gguf`'s writer on the real folder, at INT4
 /// (whose policy gives some matrices INT8 and INT5: a file of Q4_0, Q8_0
 /// and Q5_0 tensors): read back, every tensor is the in-memory quantized one
-/// byte for byte (INT5's as the Q5_0 blocks of the same numbers, vectors as
-/// F32 of the same values), the model it loads gives the same logits, and the tokenizer and chat template built from its metadata
+/// byte for byte (INT4's and INT5's as the Q4_0 and Q5_0 blocks of the same
+/// numbers, vectors as F32 of the same values), the model it loads gives the same logits, and the tokenizer and chat template built from its metadata
 /// give `tokenizer.json`'s ids and transformers' renderings.
 #[test]
 fn quantize_writes_a_gguf_that_loads_as_the_quantized_model() {
@@ -360,11 +360,15 @@ fn quantize_writes_a_gguf_that_loads_as_the_quantized_model() {
     ember_model::advanced::quantize::write_gguf(&dir, &store, &m, 2, &path).unwrap();
 
     let back = ember_model::advanced::load_qwen2(&path).unwrap();
-    // INT5 matrices come back as the Q5_0 blocks of the same numbers (no
-    // ggml type holds INT5's layout); the others byte for byte.
+    // INT4 and INT5 matrices come back as the Q4_0 and Q5_0 blocks of the
+    // same numbers (no ggml type holds their layouts); the others byte for
+    // byte.
     let same = |p: &Tensor, q: &Tensor| {
         assert_eq!(p.shape, q.shape, "{}", p.name);
-        if p.dtype == WeightType::Int5 {
+        if p.dtype == WeightType::Int4 {
+            assert_eq!(q.dtype, WeightType::Q4_0, "{}", p.name);
+            assert!(BlockQ4::q4_0_bytes(p.as_bytes()) == q.as_bytes(), "{} differs", p.name);
+        } else if p.dtype == WeightType::Int5 {
             assert_eq!(q.dtype, WeightType::Q5_0, "{}", p.name);
             assert!(BlockQ5::q5_0_bytes(p.as_bytes()) == q.as_bytes(), "{} differs", p.name);
         } else {
@@ -392,8 +396,8 @@ fn quantize_writes_a_gguf_that_loads_as_the_quantized_model() {
         let ids: Vec<u32> = r["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(g.encode(r["prompt_text"].as_str().unwrap()).unwrap(), ids, "{}", r["name"]);
         if i < 2 {
-            // The same numbers through Q5_0's kernels instead of INT5's: the
-            // same integer sums per block, added in f32 in another order on
+            // The same numbers through Q4_0's and Q5_0's kernels instead
+            // of INT4's and INT5's: the same integer sums per block, added in f32 in another order on
             // some tiers, so equal up to f32 rounding.
             let (got, want) = (last_logits(&back, &ids), last_logits(&m, &ids));
             let scale = want.iter().fold(1.0f32, |a, v| a.max(v.abs()));

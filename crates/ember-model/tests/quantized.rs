@@ -1,11 +1,12 @@
-//! INT8/INT4 models end to end on the tiny fixtures: quantized logits stay
-//! close to the float ones, a written quantized folder loads back bit for
-//! bit, bad quantized files are clear errors, and the evaluation tool's
-//! figures behave.
+//! INT8/INT4 models end to end on the tiny fixtures and a random model of
+//! 128-wide rows (INT4's and INT5's blocks; the fixtures' 64-wide rows get
+//! INT8): quantized logits stay close to the float ones, a written quantized
+//! folder loads back bit for bit, bad quantized files are clear errors, and
+//! the evaluation tool's figures behave.
 
 mod common;
 
-use common::{fixtures, reference, Scratch};
+use common::{fixtures, reference, wide_model, Scratch};
 use ember_model::advanced::{eval, load_qwen2, Qwen2, TensorStore, WeightRole};
 use ember_model::{Precision, WeightType};
 
@@ -64,14 +65,23 @@ fn dequantized(m: &Qwen2, dir: &std::path::Path) -> Qwen2 {
 
 #[test]
 fn quantized_kernels_reproduce_the_dequantized_model() {
-    for variant in VARIANTS {
-        let r = reference(variant);
-        let dir = fixtures().join(variant);
+    let wide = wide_model();
+    let mut cases: Vec<(&str, std::path::PathBuf, Vec<u32>)> =
+        VARIANTS.iter().map(|&v| (v, fixtures().join(v), reference(v).ids)).collect();
+    cases.push(("wide", wide.path().to_path_buf(), reference("tiny-tied").ids));
+    let mut int4 = 0;
+    for (variant, dir, ids) in cases {
+        let r = common::Reference { ids, logits: Vec::new(), greedy_ids: Vec::new() };
         let float = load_qwen2(&dir).unwrap();
         for q in [WeightType::Int8, WeightType::Int4] {
             let mut m = load_qwen2(&dir).unwrap();
             m.quantize(&q.into()).unwrap();
-            assert_eq!(m.layers[0].self_attn.q_proj.weight.dtype, q, "{variant}");
+            // INT4 where the rows are whole 128-weight blocks (the wide
+            // model), INT8 on the fixtures' 64-weight rows.
+            let hidden = m.config.hidden_size;
+            let want_type = ember_model::advanced::QuantPolicy::new(q).format_for(WeightRole::Q, hidden);
+            assert_eq!(m.layers[0].self_attn.q_proj.weight.dtype, want_type, "{variant}");
+            int4 += usize::from(want_type == WeightType::Int4);
             let want = logits(&dequantized(&m, &dir), &r.ids);
             // Batched prefill at exact precision computes with the
             // dequantized weights (as two BF16 terms on AMX: 2^-16 of each
@@ -104,38 +114,46 @@ fn quantized_kernels_reproduce_the_dequantized_model() {
             assert!(max_rel(&want, &logits(&float, &r.ids)) > 1e-3, "{variant} {}", q.name());
         }
     }
+    assert_eq!(int4, 1, "the wide model ran INT4");
 }
 
 #[test]
 fn int4_gives_the_chosen_matrices_their_types() {
-    let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    let wide = wide_model();
+    let mut m = load_qwen2(wide.path()).unwrap();
     m.quantize(&WeightType::Int4.into()).unwrap();
     let l = &m.layers[0];
     let (a, f) = (&l.self_attn, &l.mlp);
     assert_eq!(a.q_proj.weight.dtype, WeightType::Int4);
     assert_eq!(f.gate_proj.weight.dtype, WeightType::Int4);
+    assert_eq!(f.up_proj.weight.dtype, WeightType::Int4);
     assert_eq!(a.k_proj.weight.dtype, WeightType::Int8);
     assert_eq!(a.v_proj.weight.dtype, WeightType::Int8);
     assert_eq!(f.down_proj.weight.dtype, WeightType::Int8);
-    assert_eq!(f.up_proj.weight.dtype, WeightType::Int4);
-    // INT5 for o and the LM head, but this model's rows (64 weights) are
-    // not whole INT5 blocks (128): INT8 instead.
-    assert_eq!(a.o_proj.weight.dtype, WeightType::Int8);
-    assert_eq!(m.embed_tokens.dtype, WeightType::Int8);
-    assert_eq!(m.lm_head.dtype, WeightType::Int8);
+    assert_eq!(a.o_proj.weight.dtype, WeightType::Int5);
+    assert_eq!(m.embed_tokens.dtype, WeightType::Int5);
+    assert_eq!(m.lm_head.dtype, WeightType::Int5);
     let policy = ember_model::advanced::QuantPolicy::new(WeightType::Int4);
     assert_eq!(policy.format_for(WeightRole::O, 896), WeightType::Int5);
     assert_eq!(policy.format_for(WeightRole::Vocabulary, 896), WeightType::Int5);
     assert_eq!(policy.format_for(WeightRole::Vocabulary, 64), WeightType::Int8);
-    assert_eq!(policy.format_for(WeightRole::Q, 64), WeightType::Int4);
-    // `--quant int5` on the same model: every row too short for INT5's
-    // blocks, every matrix INT8. (INT5 matrices in a model: the real
-    // model's tests, tests/gguf_real.rs and `cargo xtask parity --quant int4`.)
-    let mut all5 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    assert_eq!(policy.format_for(WeightRole::Q, 896), WeightType::Int4);
+    assert_eq!(policy.format_for(WeightRole::Q, 64), WeightType::Int8);
+    // The fixtures' rows (64 weights) are not whole INT4 or INT5 blocks
+    // (128): every matrix INT8, with `--quant int4` as with `--quant int5`.
+    for q in [WeightType::Int4, WeightType::Int5] {
+        let mut tiny = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+        tiny.quantize(&q.into()).unwrap();
+        for p in tiny.layers[0].matrices() {
+            assert_eq!(p.weight.dtype, WeightType::Int8, "{q}: 64-wide rows fall back to INT8");
+        }
+    }
+    // `--quant int5` on the wide model: every matrix INT5.
+    let mut all5 = load_qwen2(wide.path()).unwrap();
     all5.quantize(&WeightType::Int5.into()).unwrap();
-    assert_eq!(all5.layers[0].mlp.gate_proj.weight.dtype, WeightType::Int8, "64-wide rows fall back to INT8");
+    assert!(all5.layers[0].matrices().iter().all(|p| p.weight.dtype == WeightType::Int5));
     // A policy keeping nothing at INT8 rounds every matrix to INT4.
-    let mut all4 = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+    let mut all4 = load_qwen2(wide.path()).unwrap();
     all4.quantize(&ember_model::advanced::QuantPolicy { format: WeightType::Int4, overrides: vec![] }).unwrap();
     assert_eq!(all4.layers[0].mlp.down_proj.weight.dtype, WeightType::Int4);
     assert_eq!(all4.lm_head.dtype, WeightType::Int4);
@@ -145,8 +163,9 @@ fn int4_gives_the_chosen_matrices_their_types() {
 /// the new type (issue 15): now an error naming a tensor, and nothing changes.
 #[test]
 fn quantizing_quantized_weights_to_another_type_is_an_error() {
+    let wide = wide_model();
     for (first, then) in [(WeightType::Int8, WeightType::Int4), (WeightType::Int4, WeightType::Int8)] {
-        let mut m = load_qwen2(&fixtures().join("tiny-untied")).unwrap();
+        let mut m = load_qwen2(wide.path()).unwrap();
         m.quantize(&first.into()).unwrap();
         let before: Vec<WeightType> = m.layers[0].matrices().iter().map(|p| p.weight.dtype).collect();
         let e = m.quantize(&then.into()).unwrap_err();
@@ -162,10 +181,14 @@ fn quantizing_quantized_weights_to_another_type_is_an_error() {
 
 #[test]
 fn a_written_quantized_folder_loads_back_identically() {
-    for variant in ["tiny-tied", "tiny-untied"] {
-        let r = reference(variant);
-        let src = fixtures().join(variant);
-        for q in [WeightType::Int8, WeightType::Int4] {
+    let wide = wide_model();
+    for (variant, src) in [
+        ("tiny-tied", fixtures().join("tiny-tied")),
+        ("tiny-untied", fixtures().join("tiny-untied")),
+        ("wide", wide.path().into()),
+    ] {
+        let r = reference("tiny-tied");
+        for q in [WeightType::Int8, WeightType::Int4, WeightType::Int5] {
             let mut m = load_qwen2(&src).unwrap();
             m.quantize(&q.into()).unwrap();
             let out = Scratch::new("quantized");
@@ -181,6 +204,65 @@ fn a_written_quantized_folder_loads_back_identically() {
             assert_eq!(logits(&again, &r.ids), logits(&m, &r.ids));
         }
     }
+}
+
+/// Folders written before INT4 had 128-weight blocks hold `int4` tensors of
+/// Q4_0's bytes and no `ember.int4` key: they load as Q4_0 (the same
+/// numbers, through Q4_0's kernels); a key naming another layout is a clear
+/// error.
+#[test]
+fn int4_folders_from_before_its_blocks_load_as_q4_0() {
+    let wide = wide_model();
+    let src = wide.path();
+    let mut m = load_qwen2(src).unwrap();
+    m.quantize(&WeightType::Int4.into()).unwrap();
+    let out = Scratch::new("legacy-int4");
+    let store = TensorStore::open_dir(src).unwrap();
+    ember_model::advanced::quantize::write_folder(src, &store, &m, out.path()).unwrap();
+    let file = out.path().join("model.safetensors");
+    // Each INT4 tensor's data becomes the Q4_0 blocks of the same numbers
+    // (the same length), as the old writer stored them; the key goes.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut converted = 0;
+    for (key, format) in header["__metadata__"].as_object().unwrap() {
+        if let (Some(name), Some("int4")) = (key.strip_prefix("ember.quant."), format.as_str()) {
+            let at = |i: usize| 8 + n + header[name]["data_offsets"][i].as_u64().unwrap() as usize;
+            let (a, b) = (at(0), at(1));
+            let q = ember_kernels::formats::BlockQ4::q4_0_bytes(&bytes[a..b]);
+            bytes[a..b].copy_from_slice(&q);
+            converted += 1;
+        }
+    }
+    assert_eq!(converted, 6, "q, gate and up of two layers");
+    std::fs::write(&file, bytes).unwrap();
+    edit_header(&file, |h| {
+        h["__metadata__"].as_object_mut().unwrap().remove("ember.int4");
+    });
+    let old = load_qwen2(out.path()).unwrap();
+    assert_eq!(old.layers[0].self_attn.q_proj.weight.dtype, WeightType::Q4_0);
+    assert_eq!(old.layers[0].self_attn.o_proj.weight.dtype, WeightType::Int5);
+    for (a, b) in old.layers.iter().zip(&m.layers) {
+        for (p, q) in a.matrices().into_iter().zip(b.matrices()) {
+            assert_eq!(p.weight.to_f32_vec(), q.weight.to_f32_vec(), "{}", p.weight.name);
+        }
+    }
+    // The same integer sums per 32 weights, added in f32 in another order
+    // on some tiers.
+    let r = reference("tiny-tied");
+    let d = max_rel(&decode_logits(&old, &r.ids), &decode_logits(&m, &r.ids));
+    assert!(d < 1e-5, "relative difference {d}");
+    // Quantizing it to INT4 again would round twice: refused.
+    let mut again = load_qwen2(out.path()).unwrap();
+    let e = again.quantize(&WeightType::Int4.into()).unwrap_err();
+    assert!(matches!(e, ember_model::Error::AlreadyQuantized { .. }), "{e}");
+    // A layout this ember does not know.
+    edit_header(&file, |h| {
+        h["__metadata__"]["ember.int4"] = "64".into();
+    });
+    let Err(err) = load_qwen2(out.path()) else { panic!("an unknown layout loaded") };
+    assert!(err.to_string().contains("ember.int4"), "{err}");
 }
 
 /// Rewrites the JSON header of `file` with `edit`, keeping the data.

@@ -30,7 +30,7 @@
 //! matrix whose rows are not (none in Qwen2.5's sizes) INT8 instead.
 
 use super::act::{BlockA8, QK_A8};
-use super::int4::Symmetric;
+use super::int4::{NibbleBlock, Symmetric};
 use super::q5_0::{codes5, pack5, BlockQ5_0};
 use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
@@ -126,6 +126,22 @@ impl BlockQ5 {
     }
 }
 
+impl NibbleBlock for BlockQ5 {
+    const OFFSET: i32 = 16;
+    #[inline(always)]
+    fn scales(&self) -> &[f16; SUBS] {
+        &self.d
+    }
+    #[inline(always)]
+    fn nibbles(&self) -> &[u8; SUBS * QK / 2] {
+        &self.qs
+    }
+    #[inline(always)]
+    fn fifth_bits(&self) -> Option<&[u8; 16]> {
+        Some(&self.qh)
+    }
+}
+
 /// The INT5 row of the format table.
 pub struct Int5;
 
@@ -199,23 +215,23 @@ impl Format for Int5 {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
-                use super::int_avx2::int5::avx2 as m;
-                k(m::dot_int5, m::rows4_int5, m::rows4_int5_quads)
+                use super::int_avx2::x4::avx2 as m;
+                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::AvxVnni => {
-                use super::int_avx2::int5::vnni as m;
-                k(m::dot_int5, m::rows4_int5, m::rows4_int5_quads)
+                use super::int_avx2::x4::vnni as m;
+                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => {
                 use super::int_avx512::bw as m;
-                k(m::dot_int5, m::rows4_int5, m::rows4_int5_quads)
+                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
                 use super::int_avx512::vnni as m;
-                k(m::dot_int5, m::rows4_int5, m::rows4_int5_quads)
+                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
             }
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {

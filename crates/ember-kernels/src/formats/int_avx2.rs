@@ -1,12 +1,13 @@
-//! AVX2 integer kernels of the INT8 and INT4 rows: `maddubs` (u8 × i8 → i16
+//! AVX2 integer kernels of the INT8, INT4, INT5 and Q4_0 rows: `maddubs` (u8 × i8 → i16
 //! pairs) then `madd` with ones (→ i32), one f32 FMA per block for the scales;
 //! and the int8 activation quantizer. Each requires AVX2, FMA and F16C; an
 //! `Isa` of the AVX2 tier or above is the proof.
 use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
-use super::int4::BlockQ4;
+use super::int4::{BlockQ4, NibbleBlock, QK4};
 use super::int5::{BlockQ5, QK5};
 use super::int8::BlockQ8;
+use super::q4_0::BlockQ4_0;
 use super::PREFETCH_AHEAD;
 use std::arch::x86_64::*;
 
@@ -125,12 +126,24 @@ pub unsafe fn dequantize_q8(src: &[BlockQ8], dst: &mut [f32]) {
     }
 }
 
-/// INT4 blocks to f32.
+/// Q4_0 blocks to f32.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequantize_q4(src: &[BlockQ4], dst: &mut [f32]) {
+pub unsafe fn dequantize_q4_0(src: &[BlockQ4_0], dst: &mut [f32]) {
     let eight = _mm256_set1_epi8(8);
     for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
         store_scaled(_mm256_sub_epi8(nibbles(b.qs.as_ptr()), eight), scale(b.d), y.as_mut_ptr());
+    }
+}
+
+/// INT4 blocks to f32: each sub-block as a Q4_0 block.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_int4(src: &[BlockQ4], dst: &mut [f32]) {
+    let eight = _mm256_set1_epi8(8);
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK4)) {
+        for s in 0..4 {
+            let codes = nibbles(b.qs.as_ptr().add(16 * s));
+            store_scaled(_mm256_sub_epi8(codes, eight), scale(b.d[s]), y.as_mut_ptr().add(QK * s));
+        }
     }
 }
 
@@ -250,13 +263,13 @@ pub unsafe fn quantize_activations_k(x: &[f32], dst: &mut [BlockA8K]) {
     }
 }
 
-/// A row block with one F16 scale (INT8's and INT4's), for [`scale_pairs`].
+/// A row block with one F16 scale (INT8's and Q4_0's), for [`scale_pairs`].
 pub(super) trait F16Scaled {
     /// The block's scale.
     fn scale(&self) -> half::f16;
 }
 
-impl F16Scaled for BlockQ4 {
+impl F16Scaled for BlockQ4_0 {
     fn scale(&self) -> half::f16 {
         self.d
     }
@@ -273,7 +286,7 @@ impl F16Scaled for BlockQ8 {
 /// (`dx` holds the activations' two scales the same way). The F16 scales
 /// are gathered by the integer unit (idle here) and widened in one
 /// conversion, where converting and spreading each row's pair took six or
-/// seven vector operations, most of them shuffles. Used by the AVX2/AVX-VNNI INT4 kernel (`pairs`, for a
+/// seven vector operations, most of them shuffles. Used by the AVX2/AVX-VNNI Q4_0 kernel (`pairs`, for a
 /// row's last odd block; whole pairs take `pairs::scales_whole`) and the
 /// AVX-512 INT8 one. Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
 /// L2, both kernels alternated in one process, 200 rounds) 3-6% faster at
@@ -295,7 +308,8 @@ pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
     _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
 }
 
-/// INT4 decoding two blocks per 256-bit register, for the AVX2 and AVX-VNNI
+/// Q4_0 decoding (INT4's kernels before its own layout) two blocks per
+/// 256-bit register, for the AVX2 and AVX-VNNI
 /// tiers (the AVX-512 tiers hold four: `int_avx512`). Each 128-bit lane
 /// holds one block's 16 packed bytes: its low nibbles (weights 0..16) meet
 /// the activations' first halves, its high nibbles (16..32) the second
@@ -385,7 +399,7 @@ pub mod pairs {
     /// operations where the scalar gather takes 23.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn scales_whole(w: &[&[BlockQ4]; 4], i: usize, dx: __m256) -> __m256 {
+    unsafe fn scales_whole(w: &[&[BlockQ4_0]; 4], i: usize, dx: __m256) -> __m256 {
         let v: [__m256i; 4] = std::array::from_fn(|k| _mm256_loadu_si256(w[k].as_ptr().add(i) as *const __m256i));
         // Low lane words 0..4: rows 0..4 of block i; high lane words 2..4: rows 0, 1 of block i + 1.
         let (v01, v23) = (_mm256_unpacklo_epi16(v[0], v[1]), _mm256_unpacklo_epi16(v[2], v[3]));
@@ -405,13 +419,13 @@ pub mod pairs {
                 /// added to `acc` (see [`super`]).
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn step(w: &[&[BlockQ4]; 4], i: usize, j: usize, p: &Pair, acc: __m256) -> __m256 {
+                unsafe fn step(w: &[&[BlockQ4_0]; 4], i: usize, j: usize, p: &Pair, acc: __m256) -> __m256 {
                     let nibble = _mm256_set1_epi8(15);
                     let d = if j == i + 1 { super::scales_whole(w, i, p.d) } else { super::scale_pairs(w, i, j, p.d) };
                     let sums: [__m256i; 4] = std::array::from_fn(|k| {
                         let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
                         if i % 4 == 0 {
-                            prefetch_step(b0 as *const BlockQ4 as *const u8, 4 * std::mem::size_of::<BlockQ4>());
+                            prefetch_step(b0 as *const BlockQ4_0 as *const u8, 4 * std::mem::size_of::<BlockQ4_0>());
                         }
                         let bytes = _mm256_inserti128_si256::<1>(
                             _mm256_castsi128_si256(_mm_loadu_si128(b0.qs.as_ptr() as *const __m128i)),
@@ -427,9 +441,9 @@ pub mod pairs {
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s, p.start)), d, acc)
                 }
 
-                /// Four INT4 rows against the same activations.
+                /// Four Q4_0 rows against the same activations.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_q4(w: [&[BlockQ4]; 4], x: &[BlockA8]) -> [f32; 4] {
+                pub unsafe fn rows4_q4_0(w: [&[BlockQ4_0]; 4], x: &[BlockA8]) -> [f32; 4] {
                     let n = x.len();
                     let mut acc = _mm256_setzero_ps();
                     let mut i = 0;
@@ -442,10 +456,10 @@ pub mod pairs {
                     finish(acc)
                 }
 
-                /// Four INT4 rows against activations laid out by
-                /// [`crate::formats::quads_of`]: [`rows4_q4`]'s bits.
+                /// Four Q4_0 rows against activations laid out by
+                /// [`crate::formats::quads_of`]: [`rows4_q4_0`]'s bits.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_q4_quads(w: [&[BlockQ4]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                pub unsafe fn rows4_q4_0_quads(w: [&[BlockQ4_0]; 4], x: &[BlockA8x4]) -> [f32; 4] {
                     let n = w[0].len();
                     debug_assert_eq!(x.len(), n.div_ceil(4));
                     let mut acc = _mm256_setzero_ps();
@@ -462,11 +476,11 @@ pub mod pairs {
                     finish(acc)
                 }
 
-                /// One INT4 row: [`rows4_q4`] with the row four times (a
+                /// One Q4_0 row: [`rows4_q4_0`] with the row four times (a
                 /// matrix's last rows past a multiple of four).
                 #[target_feature(enable = $features)]
-                pub unsafe fn dot_q4(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
-                    rows4_q4([w; 4], x)[0]
+                pub unsafe fn dot_q4_0(w: &[BlockQ4_0], x: &[BlockA8]) -> f32 {
+                    rows4_q4_0([w; 4], x)[0]
                 }
             }
         };
@@ -495,16 +509,16 @@ pub mod pairs {
     );
 }
 
-/// INT5 decoding two sub-blocks per 256-bit register, for the AVX2 and
-/// AVX-VNNI tiers (the AVX-512 tiers hold a whole block: `int_avx512`).
-/// Register `r` of a block holds sub-blocks `2r` and `2r + 1`, one per
-/// 128-bit lane, as the activations' quad lays out its blocks
-/// ([`BlockA8x4`]); the fifth bits of its low and high nibbles are 32
-/// consecutive bits of each plane, spread to bytes by [`fifth_bits`].
-/// Each row keeps its own accumulator. The activations come as blocks (a
-/// quad built per step, [`crate::formats::quad_at`]) or laid out once per
-/// mat-vec: the same steps, so the same bits.
-pub mod int5 {
+/// INT4 and INT5 decoding ([`NibbleBlock`]) two sub-blocks per 256-bit
+/// register, for the AVX2 and AVX-VNNI tiers (the AVX-512 tiers hold a
+/// whole block: `int_avx512`). Register `r` of a block holds sub-blocks
+/// `2r` and `2r + 1`, one per 128-bit lane, as the activations' quad lays
+/// out its blocks ([`BlockA8x4`]); INT5's fifth bits of its low and high
+/// nibbles are 32 consecutive bits of each plane, spread to bytes by
+/// [`fifth_bits`]. Each row keeps its own accumulator. The activations come
+/// as blocks (a quad built per step, [`crate::formats::quad_at`]) or laid
+/// out once per mat-vec: the same steps, so the same bits.
+pub mod x4 {
     use super::*;
     use crate::formats::act::{quad_at, BlockA8x4};
 
@@ -517,34 +531,37 @@ pub mod int5 {
                 /// Block `m` of `R` rows against the quad `q`.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn step<const R: usize>(w: &[&[BlockQ5]; R], m: usize, q: &BlockA8x4, acc: &mut [__m256; R]) {
+                unsafe fn step<B: NibbleBlock, const R: usize>(
+                    w: &[&[B]; R],
+                    m: usize,
+                    q: &BlockA8x4,
+                    acc: &mut [__m256; R],
+                ) {
                     let nibble = _mm256_set1_epi8(15);
                     // Register r's scales: sub-block 2r's in the low lane, 2r + 1's in the high.
                     let spread = [_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)];
                     let dx = _mm_loadu_ps(q.d.as_ptr());
                     for k in 0..R {
                         let b = w[k].get_unchecked(m);
-                        prefetch_step(b as *const BlockQ5 as *const u8, std::mem::size_of::<BlockQ5>());
+                        prefetch_step(b as *const B as *const u8, std::mem::size_of::<B>());
                         let d4 = _mm256_castps128_ps256(_mm_mul_ps(
-                            _mm_cvtph_ps(_mm_loadl_epi64(b.d.as_ptr() as *const __m128i)),
+                            _mm_cvtph_ps(_mm_loadl_epi64(b.scales().as_ptr() as *const __m128i)),
                             dx,
                         ));
-                        let planes = b.qh.as_ptr() as *const u32;
                         for r in 0..2 {
-                            let bytes = _mm256_loadu_si256(b.qs.as_ptr().add(32 * r) as *const __m256i);
-                            let $lo = _mm256_or_si256(
-                                _mm256_and_si256(bytes, nibble),
-                                fifth_bits(planes.add(r).read_unaligned()),
-                            );
-                            let $hi = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble),
-                                fifth_bits(planes.add(2 + r).read_unaligned()),
-                            );
+                            let bytes = _mm256_loadu_si256(b.nibbles().as_ptr().add(32 * r) as *const __m256i);
+                            let mut $lo = _mm256_and_si256(bytes, nibble);
+                            let mut $hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble);
+                            if let Some(qh) = b.fifth_bits() {
+                                let planes = qh.as_ptr() as *const u32;
+                                $lo = _mm256_or_si256($lo, fifth_bits(planes.add(r).read_unaligned()));
+                                $hi = _mm256_or_si256($hi, fifth_bits(planes.add(2 + r).read_unaligned()));
+                            }
                             let $xlo = _mm256_load_si256(q.lo.as_ptr().add(32 * r) as *const __m256i);
                             let $xhi = _mm256_load_si256(q.hi.as_ptr().add(32 * r) as *const __m256i);
                             // −8 · Σx of each sub-block in its lane's first i32: doubled for offset 16.
                             let start = _mm256_load_si256(q.start.as_ptr().add(8 * r) as *const __m256i);
-                            let $acc = _mm256_add_epi32(start, start);
+                            let $acc = if B::OFFSET == 16 { _mm256_add_epi32(start, start) } else { start };
                             let s = $dot;
                             let d = _mm256_permutevar8x32_ps(d4, spread[r]);
                             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[k]);
@@ -552,10 +569,10 @@ pub mod int5 {
                     }
                 }
 
-                /// `R` INT5 rows against the same activations.
+                /// `R` INT4 or INT5 rows against the same activations.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn rows<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8]) -> [f32; R] {
+                unsafe fn rows<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
                     debug_assert_eq!(x.len(), 4 * w[0].len());
                     let mut acc = [_mm256_setzero_ps(); R];
                     for (m, a4) in x.chunks_exact(4).enumerate() {
@@ -564,16 +581,16 @@ pub mod int5 {
                     acc.map(|v| hsum(v))
                 }
 
-                /// Four INT5 rows against the same activations.
+                /// Four INT4 or INT5 rows against the same activations.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_int5(w: [&[BlockQ5]; 4], x: &[BlockA8]) -> [f32; 4] {
+                pub unsafe fn rows4_x4<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8]) -> [f32; 4] {
                     rows(w, x)
                 }
 
-                /// Four INT5 rows against activations laid out by
-                /// [`crate::formats::quads_of`]: [`rows4_int5`]'s bits.
+                /// Four INT4 or INT5 rows against activations laid out by
+                /// [`crate::formats::quads_of`]: [`rows4_x4`]'s bits.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_int5_quads(w: [&[BlockQ5]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                pub unsafe fn rows4_x4_quads<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8x4]) -> [f32; 4] {
                     debug_assert_eq!(x.len(), w[0].len());
                     let mut acc = [_mm256_setzero_ps(); 4];
                     for (m, q) in x.iter().enumerate() {
@@ -582,9 +599,9 @@ pub mod int5 {
                     acc.map(|v| hsum(v))
                 }
 
-                /// One INT5 row.
+                /// One INT4 or INT5 row.
                 #[target_feature(enable = $features)]
-                pub unsafe fn dot_int5(w: &[BlockQ5], x: &[BlockA8]) -> f32 {
+                pub unsafe fn dot_x4<B: NibbleBlock>(w: &[B], x: &[BlockA8]) -> f32 {
                     rows([w], x)[0]
                 }
             }

@@ -1,15 +1,14 @@
-//! AVX-512 decoding kernels of the INT4, INT8 and Q5_0 rows: several
-//! blocks of a row per 512-bit register.
+//! AVX-512 decoding kernels of the INT4, INT5, INT8, Q4_0 and Q5_0 rows:
+//! several blocks of a row per 512-bit register.
 //!
 //! A kernel that takes one 32-weight block at a time spends most of its
 //! instructions on per-block work that is not the dot product itself:
 //! widening one F16 scale, multiplying it by the activation block's,
 //! broadcasting it, converting the block's integer sum and adding it in
-//! (about 7 of 11 instructions for an INT4 block). At 18 bytes per INT4
-//! block that bounded a thread at ~8 GB/s even in L2, below the memory's
-//! share, so INT4 decoding was compute-bound (`cargo bench -p ember-benches
-//! -- "matvec .*/int4"`). Here INT4 holds four blocks per register (`Quad`)
-//! and INT8 two (`Pair`), and:
+//! (about 7 of 11 instructions for a Q4_0 block). At 18 bytes per block
+//! that bounded a thread at ~8 GB/s even in L2, below the memory's share
+//! (`cargo bench -p ember-benches -- "matvec .*/q4_0"`). Here a register
+//! holds four 32-weight blocks (`Quad`; INT8 two, `Pair`), and:
 //! - the products land in i32 lanes already offset: the accumulator starts
 //!   at `−offset · Σx` for each block, so `vpdpbusd` (or `vpmaddubsw` +
 //!   `vpmaddwd` without VNNI) gives `Σ (u − offset)·x` with no subtraction;
@@ -18,26 +17,26 @@
 //!   (INT8 converts four rows' scales at once: [`scale_pairs`]);
 //! - one conversion and one FMA per register.
 //!
-//! Q5_0 (ggml's, as GGUF files carry it) takes INT4's four-block step and
-//! its activation layout: a whole step's 88 bytes in two loads, laid out by
-//! two word permutes, the fifth bits turned into a mask register (a byte
-//! shuffle and a bit test) and added as 16 under it; offset 16, so the
-//! accumulator starts at twice INT4's start. Against the AVX2 kernel a
-//! block at a time (Emerald Rapids, `amx`, one thread): 6.6 → 12.2 GiB/s at
-//! 4864 × 896 in cache (`cargo bench -p ember-benches -- "matvec
-//! 4864x896/q5_0"`), 43% → 75% of a plain read from memory (`--example
-//! stream`). Still half INT4's rate in cache: the fifth bits and the
-//! permutes take the shuffle port a block format without them does not.
+//! ember's INT4 and INT5 blocks ([`NibbleBlock`]) are four sub-blocks laid
+//! out for this step: the nibbles are one 64-byte load, one sub-block per
+//! 128-bit lane, the scales one 8-byte load; INT5's fifth bits are two
+//! planes loaded straight into mask registers. ggml's Q4_0 and Q5_0 (as GGUF
+//! files carry them) take the same step from 18- and 22-byte blocks: Q4_0's
+//! nibbles by four broadcast loads and three blends and its scales by a
+//! word permute; Q5_0's whole step (88 bytes) by two loads and two word
+//! permutes, its fifth bits turned into a mask register by a byte shuffle
+//! and a bit test. Emerald Rapids, one thread, 4864 × 896 in cache:
+//! INT4 33.8 GiB/s against Q4_0's 24.0 (`avx512vnni`).
 //!
 //! The activations' side (bytes, starts and scales) is built once per step
 //! and shared by the four rows. Blocks past a row's end pair with zero
 //! activations. Each function requires AVX-512F and BW (and VNNI for the
 //! `vnni` ones); an `Isa` of the matching tier is the proof.
 use super::act::{BlockA8, BlockA8x4};
-use super::int4::BlockQ4;
-use super::int5::BlockQ5;
+use super::int4::NibbleBlock;
 use super::int8::BlockQ8;
 use super::int_avx2::{prefetch_step, scale_pairs};
+use super::q4_0::BlockQ4_0;
 use super::q5_0::BlockQ5_0;
 use std::arch::x86_64::*;
 
@@ -96,7 +95,7 @@ unsafe fn row_scales(s: __m512, k: usize) -> __m512 {
     }
 }
 
-/// Four INT4 activation blocks as one step's operands: each 128-bit lane
+/// Four activation blocks as one step's operands: each 128-bit lane
 /// of a register holds one block's half, so the low nibbles of four weight
 /// blocks (weights 0..16 of each) meet `lo` and the high nibbles (16..32)
 /// meet `hi` with no reordering of the weights.
@@ -134,12 +133,12 @@ unsafe fn quad(x: &[BlockA8], i: usize) -> Quad {
     }
 }
 
-/// Four INT4 blocks' 16 packed bytes, one block per 128-bit lane: by
+/// Four Q4_0 blocks' 16 packed bytes, one block per 128-bit lane: by
 /// 128-bit broadcast loads, which take only the load ports, and three
 /// blends (three inserts would take the shuffle port).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn qs4(b: [&BlockQ4; 4]) -> __m512i {
+unsafe fn qs4(b: [&BlockQ4_0; 4]) -> __m512i {
     lanes4(b.map(|b| b.qs.as_ptr()))
 }
 
@@ -283,11 +282,11 @@ macro_rules! kernels {
                 $dot
             }
 
-            /// `R` INT4 rows against the same activations, four blocks per
+            /// `R` Q4_0 rows against the same activations, four blocks per
             /// step (see [`Quad`]).
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn rows_q4<const R: usize>(w: [&[BlockQ4]; R], x: &[BlockA8]) -> [f32; R] {
+            unsafe fn rows_q4_0<const R: usize>(w: [&[BlockQ4_0]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = x.len();
                 let mut acc = [_mm512_setzero_ps(); R];
                 let nibble = _mm512_set1_epi8(15);
@@ -299,7 +298,10 @@ macro_rules! kernels {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
                         if i % 4 == 0 {
-                            prefetch_step(blocks[0] as *const BlockQ4 as *const u8, 4 * std::mem::size_of::<BlockQ4>());
+                            prefetch_step(
+                                blocks[0] as *const BlockQ4_0 as *const u8,
+                                4 * std::mem::size_of::<BlockQ4_0>(),
+                            );
                         }
                         let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
@@ -312,7 +314,7 @@ macro_rules! kernels {
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
 
-            /// [`rows_q4`] over activations laid out once per mat-vec
+            /// [`rows_q4_0`] over activations laid out once per mat-vec
             /// ([`BlockA8x4`]): the same products and sums in the same
             /// order, so the same bits, without building each quad again
             /// for every four rows. Two more savings on the weights' side,
@@ -330,7 +332,7 @@ macro_rules! kernels {
             /// median gain about 10%).
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn rows_q4_quads<const R: usize>(w: [&[BlockQ4]; R], x: &[BlockA8x4]) -> [f32; R] {
+            unsafe fn rows_q4_0_quads<const R: usize>(w: [&[BlockQ4_0]; R], x: &[BlockA8x4]) -> [f32; R] {
                 let n = w[0].len();
                 debug_assert_eq!(x.len(), n.div_ceil(4));
                 let mut acc = [_mm512_setzero_ps(); R];
@@ -352,14 +354,14 @@ macro_rules! kernels {
                     for k in 0..R {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
-                        prefetch_step(blocks[0] as *const BlockQ4 as *const u8, 4 * std::mem::size_of::<BlockQ4>());
+                        prefetch_step(blocks[0] as *const BlockQ4_0 as *const u8, 4 * std::mem::size_of::<BlockQ4_0>());
                         let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
                         let s = dot(dot(start, lo, xlo), hi, xhi);
                         let d = if whole {
                             // A whole step's 72 bytes are in the row: the 64-byte read stays inside it.
-                            let step = _mm512_loadu_si512(blocks[0] as *const BlockQ4 as *const _);
+                            let step = _mm512_loadu_si512(blocks[0] as *const BlockQ4_0 as *const _);
                             let h = _mm512_castsi512_si256(_mm512_permutexvar_epi16(picks, step));
                             _mm512_mul_ps(_mm512_cvtph_ps(h), dx16)
                         } else {
@@ -467,87 +469,91 @@ macro_rules! kernels {
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
 
-            /// One step of `R` INT5 rows: block `m` of each (four
+            /// One step of `R` rows of ember's 128-weight nibble blocks
+            /// (INT4, INT5: [`NibbleBlock`]): block `m` of each (four
             /// sub-blocks) against one activation quad (`xlo`, `xhi`,
             /// `start` as in [`Quad`], `dx` its four scales). The 64 nibble
-            /// bytes are one load, one sub-block per 128-bit lane; each
-            /// fifth-bit plane loads into a mask register and adds 16 under
-            /// it; the four scales widen in one conversion and spread over
-            /// their lanes in one permute. Offset 16: the accumulator starts
-            /// at twice INT4's start.
+            /// bytes are one load, one sub-block per 128-bit lane; INT5's
+            /// fifth-bit planes each load into a mask register and add 16
+            /// under it; the four scales widen in one conversion and spread
+            /// over their lanes in one permute. The accumulator starts at
+            /// `−offset · Σx`: the quad's start (offset 8) doubled for
+            /// offset 16.
             #[inline(always)]
-            unsafe fn step_int5<const R: usize>(
-                w: &[&[BlockQ5]; R],
+            unsafe fn step_x4<B: NibbleBlock, const R: usize>(
+                w: &[&[B]; R],
                 m: usize,
                 (xlo, xhi, start, dx): (__m512i, __m512i, __m512i, __m128),
                 acc: &mut [__m512; R],
             ) {
                 let nibble = _mm512_set1_epi8(15);
                 let sixteen = _mm512_set1_epi8(16);
-                let start = _mm512_add_epi32(start, start);
+                let start = if B::OFFSET == 16 { _mm512_add_epi32(start, start) } else { start };
                 for k in 0..R {
                     let b = w[k].get_unchecked(m);
-                    prefetch_step(b as *const BlockQ5 as *const u8, std::mem::size_of::<BlockQ5>());
-                    let bytes = _mm512_loadu_si512(b.qs.as_ptr() as *const _);
-                    let planes = b.qh.as_ptr() as *const __mmask64;
-                    let lo = _mm512_and_si512(bytes, nibble);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
-                    let lo = _mm512_mask_add_epi8(lo, _load_mask64(planes), lo, sixteen);
-                    let hi = _mm512_mask_add_epi8(hi, _load_mask64(planes.add(1)), hi, sixteen);
+                    prefetch_step(b as *const B as *const u8, std::mem::size_of::<B>());
+                    let bytes = _mm512_loadu_si512(b.nibbles().as_ptr() as *const _);
+                    let mut lo = _mm512_and_si512(bytes, nibble);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
+                    if let Some(qh) = b.fifth_bits() {
+                        let planes = qh.as_ptr() as *const __mmask64;
+                        lo = _mm512_mask_add_epi8(lo, _load_mask64(planes), lo, sixteen);
+                        hi = _mm512_mask_add_epi8(hi, _load_mask64(planes.add(1)), hi, sixteen);
+                    }
                     let s = dot(dot(start, lo, xlo), hi, xhi);
-                    let h = _mm_loadl_epi64(b.d.as_ptr() as *const __m128i);
+                    let h = _mm_loadl_epi64(b.scales().as_ptr() as *const __m128i);
                     let d = spread4(_mm_mul_ps(_mm_cvtph_ps(h), dx));
                     acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[k]);
                 }
             }
 
-            /// `R` INT5 rows against the same activations, each step's
-            /// activation quad built here.
+            /// `R` rows of 128-weight nibble blocks against the same
+            /// activations, each step's activation quad built here.
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn rows_int5<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8]) -> [f32; R] {
+            unsafe fn rows_x4<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = w[0].len();
                 debug_assert_eq!(x.len(), 4 * n);
                 let mut acc = [_mm512_setzero_ps(); R];
                 for m in 0..n {
                     let q = quad(x, 4 * m);
-                    step_int5(&w, m, (q.lo, q.hi, q.start, q.d), &mut acc);
+                    step_x4(&w, m, (q.lo, q.hi, q.start, q.d), &mut acc);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
 
-            /// [`rows_int5`] over activations laid out once per mat-vec
+            /// [`rows_x4`] over activations laid out once per mat-vec
             /// ([`BlockA8x4`]): the same steps, so the same bits.
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn rows_int5_quads<const R: usize>(w: [&[BlockQ5]; R], x: &[BlockA8x4]) -> [f32; R] {
+            unsafe fn rows_x4_quads<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8x4]) -> [f32; R] {
                 debug_assert_eq!(x.len(), w[0].len());
                 let mut acc = [_mm512_setzero_ps(); R];
                 for (m, q) in x.iter().enumerate() {
                     let (xlo, xhi) =
                         (_mm512_load_si512(q.lo.as_ptr() as *const _), _mm512_load_si512(q.hi.as_ptr() as *const _));
                     let start = _mm512_load_si512(q.start.as_ptr() as *const _);
-                    step_int5(&w, m, (xlo, xhi, start, _mm_loadu_ps(q.d.as_ptr())), &mut acc);
+                    step_x4(&w, m, (xlo, xhi, start, _mm_loadu_ps(q.d.as_ptr())), &mut acc);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
 
-            /// Four INT5 rows against activations laid out by [`crate::formats::quads_of`].
+            /// Four INT4 or INT5 rows against activations laid out by [`crate::formats::quads_of`].
             #[target_feature(enable = $features)]
-            pub unsafe fn rows4_int5_quads(w: [&[BlockQ5]; 4], x: &[BlockA8x4]) -> [f32; 4] {
-                rows_int5_quads(w, x)
+            pub unsafe fn rows4_x4_quads<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                rows_x4_quads(w, x)
             }
 
-            /// Four INT5 rows against the same activations.
+            /// Four INT4 or INT5 rows against the same activations.
             #[target_feature(enable = $features)]
-            pub unsafe fn rows4_int5(w: [&[BlockQ5]; 4], x: &[BlockA8]) -> [f32; 4] {
-                rows_int5(w, x)
+            pub unsafe fn rows4_x4<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8]) -> [f32; 4] {
+                rows_x4(w, x)
             }
 
-            /// One INT5 row.
+            /// One INT4 or INT5 row.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_int5(w: &[BlockQ5], x: &[BlockA8]) -> f32 {
-                rows_int5([w], x)[0]
+            pub unsafe fn dot_x4<B: NibbleBlock>(w: &[B], x: &[BlockA8]) -> f32 {
+                rows_x4([w], x)[0]
             }
 
             /// Four Q5_0 rows against activations laid out by [`crate::formats::quads_of`].
@@ -568,22 +574,22 @@ macro_rules! kernels {
                 rows_q5([w], x)[0]
             }
 
-            /// Four INT4 rows against activations laid out by [`crate::formats::quads_of`].
+            /// Four Q4_0 rows against activations laid out by [`crate::formats::quads_of`].
             #[target_feature(enable = $features)]
-            pub unsafe fn rows4_q4_quads(w: [&[BlockQ4]; 4], x: &[BlockA8x4]) -> [f32; 4] {
-                rows_q4_quads(w, x)
+            pub unsafe fn rows4_q4_0_quads(w: [&[BlockQ4_0]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                rows_q4_0_quads(w, x)
             }
 
-            /// Four INT4 rows against the same activations.
+            /// Four Q4_0 rows against the same activations.
             #[target_feature(enable = $features)]
-            pub unsafe fn rows4_q4(w: [&[BlockQ4]; 4], x: &[BlockA8]) -> [f32; 4] {
-                rows_q4(w, x)
+            pub unsafe fn rows4_q4_0(w: [&[BlockQ4_0]; 4], x: &[BlockA8]) -> [f32; 4] {
+                rows_q4_0(w, x)
             }
 
-            /// One INT4 row.
+            /// One Q4_0 row.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q4(w: &[BlockQ4], x: &[BlockA8]) -> f32 {
-                rows_q4([w], x)[0]
+            pub unsafe fn dot_q4_0(w: &[BlockQ4_0], x: &[BlockA8]) -> f32 {
+                rows_q4_0([w], x)[0]
             }
         }
     };

@@ -14,8 +14,9 @@
 //! | [`Bf16`] | `bf16` | [`bf16`] | 1 | f32 |
 //! | [`F16`] | `f16` | [`f16`](struct@f16) | 1 | f32 |
 //! | [`Int8`] | `int8` | [`BlockQ8`] (34 B) | 32 | [`BlockA8`] |
-//! | [`Int4`] | `int4` | [`BlockQ4`] (18 B) | 32 | [`BlockA8`] |
+//! | [`Int4`] | `int4` | [`BlockQ4`] (72 B) | 128 | [`BlockA8`] |
 //! | [`Int5`] | `int5` | [`BlockQ5`] (88 B) | 128 | [`BlockA8`] |
+//! | [`Q4_0`] | `q4_0` | [`BlockQ4_0`] (18 B) | 32 | [`BlockA8`] |
 //! | [`Q4_1`] | `q4_1` | [`BlockQ4_1`] (20 B) | 32 | [`BlockA8`] |
 //! | [`Q5_0`] | `q5_0` | [`BlockQ5_0`] (22 B) | 32 | [`BlockA8`] |
 //! | [`Q5_1`] | `q5_1` | [`BlockQ5_1`] (24 B) | 32 | [`BlockA8`] |
@@ -25,9 +26,9 @@
 //! | [`Q5K`] | `q5_k` | [`BlockQ5K`] (176 B) | 256 | [`BlockA8K`] |
 //! | [`Q6K`] | `q6_k` | [`BlockQ6K`] (210 B) | 256 | [`BlockA8K`] |
 //!
-//! INT8 and INT4 are ggml's Q8_0 and Q4_0 byte for byte; INT5 is four of
-//! ggml's Q5_0 blocks in value, laid out for the kernels; the rows from
-//! Q4_1 on are ggml's types of the same names, read from GGUF files in
+//! INT8 is ggml's Q8_0 byte for byte; INT4 and INT5 are four of ggml's
+//! Q4_0 and Q5_0 blocks in value, laid out for the kernels; the rows from
+//! Q4_0 on are ggml's types of the same names, read from GGUF files in
 //! place (their `dequantize_reference` is ggml's `dequantize_row_*`, checked
 //! against the `gguf` Python package on real tensors). Like llama.cpp, the
 //! 32-weight types pair with 32-wide int8 activations and the K types
@@ -59,6 +60,7 @@ mod kq;
 mod legacy_avx2;
 mod q2_k;
 mod q3_k;
+mod q4_0;
 mod q4_1;
 mod q4_k;
 mod q5_0;
@@ -72,12 +74,13 @@ pub use act::{
 };
 pub use float::{Bf16, F16, F32};
 pub use half::{bf16, f16};
-pub use int4::{BlockQ4, Int4};
+pub use int4::{BlockQ4, Int4, QK4};
 pub use int5::{BlockQ5, Int5, QK5};
 pub use int8::{BlockQ8, Int8};
 pub use kq::QK_K;
 pub use q2_k::{BlockQ2K, Q2K};
 pub use q3_k::{BlockQ3K, Q3K};
+pub use q4_0::{BlockQ4_0, Q4_0};
 pub use q4_1::{BlockQ4_1, Q4_1};
 pub use q4_k::{BlockQ4K, Q4K};
 pub use q5_0::{BlockQ5_0, Q5_0};
@@ -102,6 +105,8 @@ pub enum WeightType {
     Int4,
     /// ember's INT5 blocks ([`BlockQ5`]).
     Int5,
+    /// ggml's Q4_0 blocks ([`BlockQ4_0`]).
+    Q4_0,
     /// ggml's Q4_1 blocks ([`BlockQ4_1`]).
     Q4_1,
     /// ggml's Q5_0 blocks ([`BlockQ5_0`]).
@@ -146,6 +151,10 @@ macro_rules! with_type {
             }
             $crate::formats::WeightType::Int5 => {
                 type $F = $crate::formats::Int5;
+                $body
+            }
+            $crate::formats::WeightType::Q4_0 => {
+                type $F = $crate::formats::Q4_0;
                 $body
             }
             $crate::formats::WeightType::Q4_1 => {
@@ -211,6 +220,10 @@ macro_rules! with_weights {
             }
             $crate::formats::Weights::Int5($data) => {
                 type $F = $crate::formats::Int5;
+                $body
+            }
+            $crate::formats::Weights::Q4_0($data) => {
+                type $F = $crate::formats::Q4_0;
                 $body
             }
             $crate::formats::Weights::Q4_1($data) => {
@@ -301,6 +314,8 @@ pub enum Weights<'a> {
     Int4(&'a [BlockQ4]),
     /// ember's INT5 blocks.
     Int5(&'a [BlockQ5]),
+    /// ggml's Q4_0 blocks.
+    Q4_0(&'a [BlockQ4_0]),
     /// ggml's Q4_1 blocks.
     Q4_1(&'a [BlockQ4_1]),
     /// ggml's Q5_0 blocks.
@@ -510,13 +525,14 @@ pub struct Acts<'a> {
 
 impl WeightType {
     /// Every type, in table order.
-    pub const ALL: [WeightType; 14] = [
+    pub const ALL: [WeightType; 15] = [
         WeightType::F32,
         WeightType::Bf16,
         WeightType::F16,
         WeightType::Int8,
         WeightType::Int4,
         WeightType::Int5,
+        WeightType::Q4_0,
         WeightType::Q4_1,
         WeightType::Q5_0,
         WeightType::Q5_1,
@@ -528,7 +544,7 @@ impl WeightType {
     ];
 
     /// The file and command-line name: `f32`, `bf16`, `f16`, `int8`, `int4`, `int5`,
-    /// and ggml's names in lower case for its types (`q4_1`, ..., `q6_k`).
+    /// and ggml's names in lower case for its types (`q4_0`, ..., `q6_k`).
     pub fn name(self) -> &'static str {
         with_type!(self, |F| F::NAME)
     }
@@ -536,6 +552,12 @@ impl WeightType {
     /// Parses [`WeightType::name`] (any case).
     pub fn from_name(s: &str) -> Option<WeightType> {
         WeightType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// Whether this is a float type (`f32`, `bf16`, `f16`: one weight per
+    /// element, read by f32 activations) rather than blocks.
+    pub fn is_float(self) -> bool {
+        self.act() == ActType::F32
     }
 
     /// Whether `--quant` may round weights into this type.
@@ -758,6 +780,7 @@ mod tests {
         row_contract::<Int8>();
         row_contract::<Int4>();
         row_contract::<Int5>();
+        row_contract::<Q4_0>();
         row_contract::<Q4_1>();
         row_contract::<Q5_0>();
         row_contract::<Q5_1>();
@@ -824,6 +847,7 @@ mod tests {
     #[test]
     fn ggml_rows_round_trip_and_dot() {
         // Steps on [−1, 1): 4 bits ≈ 2/15, 5 bits ≈ 2/31, 2 bits 2/3, 3 bits 2/7, 6 bits 2/63.
+        ggml_row::<Q4_0>(0.05);
         ggml_row::<Q4_1>(0.045);
         ggml_row::<Q5_0>(0.022);
         ggml_row::<Q5_1>(0.022);
@@ -855,6 +879,7 @@ mod tests {
         distinct::<Int8>();
         distinct::<Int4>();
         distinct::<Int5>();
+        distinct::<Q4_0>();
         distinct::<Q4_1>();
         distinct::<Q5_0>();
         distinct::<Q5_1>();
@@ -876,7 +901,7 @@ mod tests {
             let blocks: &mut [F::Block] = bytemuck::cast_slice_mut(&mut raw);
             for b in blocks.iter_mut() {
                 // The scales (the block's first two bytes, or first eight:
-                // INT5's four) finite.
+                // INT4's and INT5's four) finite.
                 let bytes: &mut [u8] = bytemuck::bytes_of_mut(b);
                 let scales = if F::BLOCK_LEN == QK5 { 4 } else { 1 };
                 for s in 0..scales {
@@ -899,6 +924,7 @@ mod tests {
         check::<Int8>();
         check::<Int4>();
         check::<Int5>();
+        check::<Q4_0>();
         check::<Q5_0>();
     }
 
@@ -944,9 +970,12 @@ mod tests {
     }
 
     #[test]
-    fn integer_products_take_q5_0_and_int5() {
-        integer_products_take::<Q5_0>();
+    fn integer_products_take_every_row_with_codes() {
+        integer_products_take::<Int8>();
+        integer_products_take::<Int4>();
         integer_products_take::<Int5>();
+        integer_products_take::<Q4_0>();
+        integer_products_take::<Q5_0>();
     }
 
     #[test]
@@ -956,11 +985,12 @@ mod tests {
             assert_eq!(WeightType::from_name(&ty.name().to_uppercase()), Some(ty));
         }
         assert_eq!(WeightType::Int8.block_bytes(), 34);
-        assert_eq!(WeightType::Int4.block_bytes(), 18);
+        assert_eq!((WeightType::Int4.block_len(), WeightType::Int4.block_bytes()), (128, 72));
         assert_eq!((WeightType::Int5.block_len(), WeightType::Int5.block_bytes()), (128, 88));
         assert!(WeightType::Int5.is_quantized() && WeightType::Int5.has_codes());
         // ggml's sizes (`GGML_QUANT_SIZES`).
         for (ty, len, bytes) in [
+            (WeightType::Q4_0, 32, 18),
             (WeightType::Q4_1, 32, 20),
             (WeightType::Q5_0, 32, 22),
             (WeightType::Q5_1, 32, 24),
@@ -976,9 +1006,11 @@ mod tests {
             assert_eq!(ty.act(), act, "{ty}");
         }
         assert_eq!(WeightType::from_name("Q4_K"), Some(WeightType::Q4K));
-        assert!(WeightType::Int8.has_codes() && WeightType::Q5_0.has_codes());
+        assert!(WeightType::Int8.has_codes() && WeightType::Q5_0.has_codes() && WeightType::Q4_0.has_codes());
         assert!(!WeightType::Q4_1.has_codes() && !WeightType::Q4K.has_codes() && !WeightType::Bf16.has_codes());
         assert_eq!(WeightType::Bf16.block_len(), 1);
+        let floats: Vec<WeightType> = WeightType::ALL.into_iter().filter(|t| t.is_float()).collect();
+        assert_eq!(floats, [WeightType::F32, WeightType::Bf16, WeightType::F16]);
         assert_eq!(WeightType::Int4.act(), ActType::A8);
         assert!(WeightType::Int4.is_quantized() && !WeightType::Bf16.is_quantized());
         assert!(Weights::from_bytes(WeightType::Int8, &[0u8; 35]).is_none());
