@@ -99,14 +99,21 @@ impl BlockQ4 {
     /// Stored INT4 bytes (whole blocks, any alignment) as the bytes of the
     /// Q4_0 blocks of the same numbers, in order.
     pub fn q4_0_bytes(bytes: &[u8]) -> Vec<u8> {
-        let size = std::mem::size_of::<BlockQ4>();
-        assert!(bytes.len().is_multiple_of(size), "INT4 data holds whole blocks");
-        let mut out = Vec::with_capacity(bytes.len() / size * SUBS * std::mem::size_of::<BlockQ4_0>());
-        for b in bytes.chunks_exact(size) {
-            out.extend_from_slice(bytemuck::cast_slice(&bytemuck::pod_read_unaligned::<BlockQ4>(b).to_q4_0()));
-        }
-        out
+        ggml_bytes(bytes, BlockQ4::to_q4_0)
     }
+}
+
+/// Stored blocks of ember's 128-weight layouts (whole, any alignment) as
+/// the bytes of the four ggml blocks each holds in value, in order:
+/// [`BlockQ4::q4_0_bytes`] and [`super::BlockQ5::q5_0_bytes`].
+pub(super) fn ggml_bytes<B: bytemuck::Pod, Q: bytemuck::Pod>(bytes: &[u8], split: impl Fn(&B) -> [Q; SUBS]) -> Vec<u8> {
+    let size = std::mem::size_of::<B>();
+    assert!(bytes.len().is_multiple_of(size), "{} data holds whole blocks", std::any::type_name::<B>());
+    let mut out = Vec::with_capacity(bytes.len() / size * SUBS * std::mem::size_of::<Q>());
+    for b in bytes.chunks_exact(size) {
+        out.extend_from_slice(bytemuck::cast_slice(&split(&bytemuck::pod_read_unaligned::<B>(b))));
+    }
+    out
 }
 
 /// ember's 128-weight blocks of nibbles, INT4's [`BlockQ4`] and INT5's
@@ -205,39 +212,49 @@ impl Format for Int4 {
     }
 
     fn kernels(tier: Tier) -> Kernels<Int4> {
+        nibble_kernels(tier)
+    }
+}
+
+/// The kernels of a row of 128-weight nibble blocks (INT4, INT5) on `tier`:
+/// one family for both ([`NibbleBlock`]).
+pub(super) fn nibble_kernels<F>(tier: Tier) -> Kernels<F>
+where
+    F: Format<Act = BlockA8>,
+    F::Block: NibbleBlock,
+{
+    #[cfg(target_arch = "x86_64")]
+    let k = |dot, rows4, rows4_quads| Kernels {
+        dot,
+        rows4,
+        rows4_quads: Some(rows4_quads),
+        dequantize: super::int_avx2::dequantize_x4::<F::Block>,
+    };
+    match tier {
+        Tier::Scalar => reference_kernels(),
         #[cfg(target_arch = "x86_64")]
-        let k = |dot, rows4, rows4_quads| Kernels {
-            dot,
-            rows4,
-            rows4_quads: Some(rows4_quads),
-            dequantize: super::int_avx2::dequantize_int4,
-        };
-        match tier {
-            Tier::Scalar => reference_kernels(),
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 => {
-                use super::int_avx2::x4::avx2 as m;
-                k(m::dot_x4::<BlockQ4>, m::rows4_x4::<BlockQ4>, m::rows4_x4_quads::<BlockQ4>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::AvxVnni => {
-                use super::int_avx2::x4::vnni as m;
-                k(m::dot_x4::<BlockQ4>, m::rows4_x4::<BlockQ4>, m::rows4_x4_quads::<BlockQ4>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 => {
-                use super::int_avx512::bw as m;
-                k(m::dot_x4::<BlockQ4>, m::rows4_x4::<BlockQ4>, m::rows4_x4_quads::<BlockQ4>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                use super::int_avx512::vnni as m;
-                k(m::dot_x4::<BlockQ4>, m::rows4_x4::<BlockQ4>, m::rows4_x4_quads::<BlockQ4>)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                unreachable!("x86 tiers are only detected on x86")
-            }
+        Tier::Avx2 => {
+            use super::int_avx2::x4::avx2 as m;
+            k(m::dot_x4::<F::Block>, m::rows4_x4::<F::Block>, m::rows4_x4_quads::<F::Block>)
+        }
+        #[cfg(target_arch = "x86_64")]
+        Tier::AvxVnni => {
+            use super::int_avx2::x4::vnni as m;
+            k(m::dot_x4::<F::Block>, m::rows4_x4::<F::Block>, m::rows4_x4_quads::<F::Block>)
+        }
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512 => {
+            use super::int_avx512::bw as m;
+            k(m::dot_x4::<F::Block>, m::rows4_x4::<F::Block>, m::rows4_x4_quads::<F::Block>)
+        }
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            use super::int_avx512::vnni as m;
+            k(m::dot_x4::<F::Block>, m::rows4_x4::<F::Block>, m::rows4_x4_quads::<F::Block>)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+            unreachable!("x86 tiers are only detected on x86")
         }
     }
 }

@@ -30,9 +30,9 @@
 //! matrix whose rows are not (none in Qwen2.5's sizes) INT8 instead.
 
 use super::act::{BlockA8, QK_A8};
-use super::int4::{NibbleBlock, Symmetric};
+use super::int4::{ggml_bytes, nibble_kernels, NibbleBlock, Symmetric};
 use super::q5_0::{codes5, pack5, BlockQ5_0};
-use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
+use super::{Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
 
@@ -64,17 +64,10 @@ impl BlockQ5 {
     /// A block of zeros (every code 16).
     pub const ZERO: BlockQ5 = BlockQ5 { d: [f16::ZERO; SUBS], qh: [0xff; 16], qs: [0; SUBS * QK / 2] };
 
-    /// The two fifth-bit planes as u64: weights 0..16 of each sub-block, then 16..32.
-    #[inline]
-    pub(crate) fn planes(&self) -> [u64; 2] {
-        let (lo, hi) = self.qh.split_at(8);
-        [u64::from_le_bytes(lo.try_into().unwrap()), u64::from_le_bytes(hi.try_into().unwrap())]
-    }
-
     /// Sub-block `b`'s 32 codes (0..=31), weight `j` in `[j]`.
     #[inline]
     pub fn codes(&self, b: usize) -> [u8; QK] {
-        let [lo, hi] = self.planes();
+        let [lo, hi] = planes(&self.qh);
         let qs = &self.qs[16 * b..16 * b + 16];
         std::array::from_fn(|j| {
             let (nibble, plane) = if j < QK / 2 { (qs[j] & 15, lo) } else { (qs[j - QK / 2] >> 4, hi) };
@@ -116,14 +109,16 @@ impl BlockQ5 {
     /// Stored INT5 bytes (whole blocks, any alignment) as the bytes of the
     /// Q5_0 blocks of the same numbers, in order.
     pub fn q5_0_bytes(bytes: &[u8]) -> Vec<u8> {
-        let size = std::mem::size_of::<BlockQ5>();
-        assert!(bytes.len().is_multiple_of(size), "INT5 data holds whole blocks");
-        let mut out = Vec::with_capacity(bytes.len() / size * SUBS * std::mem::size_of::<BlockQ5_0>());
-        for b in bytes.chunks_exact(size) {
-            out.extend_from_slice(bytemuck::cast_slice(&bytemuck::pod_read_unaligned::<BlockQ5>(b).to_q5_0()));
-        }
-        out
+        ggml_bytes(bytes, BlockQ5::to_q5_0)
     }
+}
+
+/// The two fifth-bit planes of a block's `qh` as u64: weights 0..16 of
+/// each sub-block, then 16..32.
+#[inline]
+pub(crate) fn planes(qh: &[u8; 16]) -> [u64; 2] {
+    let (lo, hi) = qh.split_at(8);
+    [u64::from_le_bytes(lo.try_into().unwrap()), u64::from_le_bytes(hi.try_into().unwrap())]
 }
 
 impl NibbleBlock for BlockQ5 {
@@ -204,40 +199,7 @@ impl Format for Int5 {
     }
 
     fn kernels(tier: Tier) -> Kernels<Int5> {
-        #[cfg(target_arch = "x86_64")]
-        let k = |dot, rows4, rows4_quads| Kernels {
-            dot,
-            rows4,
-            rows4_quads: Some(rows4_quads),
-            dequantize: super::int_avx2::dequantize_int5,
-        };
-        match tier {
-            Tier::Scalar => reference_kernels(),
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 => {
-                use super::int_avx2::x4::avx2 as m;
-                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::AvxVnni => {
-                use super::int_avx2::x4::vnni as m;
-                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx512 => {
-                use super::int_avx512::bw as m;
-                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                use super::int_avx512::vnni as m;
-                k(m::dot_x4::<BlockQ5>, m::rows4_x4::<BlockQ5>, m::rows4_x4_quads::<BlockQ5>)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                unreachable!("x86 tiers are only detected on x86")
-            }
-        }
+        nibble_kernels(tier)
     }
 }
 

@@ -4,8 +4,8 @@
 //! `Isa` of the AVX2 tier or above is the proof.
 use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
-use super::int4::{BlockQ4, NibbleBlock, QK4};
-use super::int5::{BlockQ5, QK5};
+use super::int4::{NibbleBlock, QK4};
+use super::int5::planes;
 use super::int8::BlockQ8;
 use super::q4_0::BlockQ4_0;
 use super::PREFETCH_AHEAD;
@@ -135,18 +135,6 @@ pub unsafe fn dequantize_q4_0(src: &[BlockQ4_0], dst: &mut [f32]) {
     }
 }
 
-/// INT4 blocks to f32: each sub-block as a Q4_0 block.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequantize_int4(src: &[BlockQ4], dst: &mut [f32]) {
-    let eight = _mm256_set1_epi8(8);
-    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK4)) {
-        for s in 0..4 {
-            let codes = nibbles(b.qs.as_ptr().add(16 * s));
-            store_scaled(_mm256_sub_epi8(codes, eight), scale(b.d[s]), y.as_mut_ptr().add(QK * s));
-        }
-    }
-}
-
 /// 32 bits as 32 bytes, byte `j` 16 where bit `j` is set and 0 elsewhere
 /// (INT5's fifth bits, for tiers without mask registers): each byte picks
 /// its bit's byte, tests its bit, and the all-ones result keeps 16.
@@ -162,17 +150,21 @@ pub(super) unsafe fn fifth_bits(bits: u32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
-/// INT5 blocks to f32: per sub-block its nibbles as INT4's, the fifth bits
-/// of its 32 weights gathered from the two planes into one u32.
+/// INT4 and INT5 blocks ([`NibbleBlock`]) to f32: per sub-block its
+/// nibbles as a Q4_0 block's and, for INT5, the fifth bits of its 32
+/// weights gathered from the two planes into one u32.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dequantize_int5(src: &[BlockQ5], dst: &mut [f32]) {
-    let sixteen = _mm256_set1_epi8(16);
-    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK5)) {
-        let [lo, hi] = b.planes();
+pub unsafe fn dequantize_x4<B: NibbleBlock>(src: &[B], dst: &mut [f32]) {
+    let offset = _mm256_set1_epi8(B::OFFSET as i8);
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK4)) {
+        let planes = b.fifth_bits().map(planes);
         for s in 0..4 {
-            let bits = ((lo >> (16 * s)) & 0xffff) as u32 | (((hi >> (16 * s)) & 0xffff) as u32) << 16;
-            let codes = _mm256_or_si256(nibbles(b.qs.as_ptr().add(16 * s)), fifth_bits(bits));
-            store_scaled(_mm256_sub_epi8(codes, sixteen), scale(b.d[s]), y.as_mut_ptr().add(QK * s));
+            let mut codes = nibbles(b.nibbles().as_ptr().add(16 * s));
+            if let Some([lo, hi]) = planes {
+                let bits = ((lo >> (16 * s)) & 0xffff) as u32 | (((hi >> (16 * s)) & 0xffff) as u32) << 16;
+                codes = _mm256_or_si256(codes, fifth_bits(bits));
+            }
+            store_scaled(_mm256_sub_epi8(codes, offset), scale(b.scales()[s]), y.as_mut_ptr().add(QK * s));
         }
     }
 }

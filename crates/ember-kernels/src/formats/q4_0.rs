@@ -88,13 +88,13 @@ impl Format for Q4_0 {
         }
     }
 
+    /// ggml's `dequantize_row_q4_0`: `d · (n − 8)`.
     fn dequantize_reference(src: &[BlockQ4_0], dst: &mut [f32]) {
         assert_eq!(dst.len(), src.len() * QK, "row length");
         for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
             let d = b.d.to_f32();
-            for i in 0..QK / 2 {
-                y[i] = d * ((b.qs[i] & 15) as f32 - 8.0);
-                y[i + QK / 2] = d * ((b.qs[i] >> 4) as f32 - 8.0);
+            for (o, n) in y.iter_mut().zip(codes4(&b.qs)) {
+                *o = d * (n as i32 - 8) as f32;
             }
         }
     }
@@ -104,10 +104,7 @@ impl Format for Q4_0 {
         assert_eq!(w.len(), x.len());
         let mut s = 0.0f32;
         for (b, a) in w.iter().zip(x) {
-            let mut dot = 0i32;
-            for i in 0..QK / 2 {
-                dot += (b.qs[i] & 15) as i32 * a.qs[i] as i32 + (b.qs[i] >> 4) as i32 * a.qs[i + QK / 2] as i32;
-            }
+            let dot: i32 = codes4(&b.qs).iter().zip(&a.qs).map(|(&n, &q)| n as i32 * q as i32).sum();
             s += b.d.to_f32() * a.d * (dot - 8 * a.sum) as f32;
         }
         s
@@ -120,47 +117,34 @@ impl Format for Q4_0 {
     }
 
     fn kernels(tier: Tier) -> Kernels<Q4_0> {
+        #[cfg(target_arch = "x86_64")]
+        let k = |dot, rows4, rows4_quads| Kernels {
+            dot,
+            rows4,
+            rows4_quads: Some(rows4_quads),
+            dequantize: super::int_avx2::dequantize_q4_0,
+        };
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
-                use super::int_avx2::pairs::avx2 as k;
-                Kernels {
-                    dot: k::dot_q4_0,
-                    rows4: k::rows4_q4_0,
-                    rows4_quads: Some(k::rows4_q4_0_quads),
-                    dequantize: super::int_avx2::dequantize_q4_0,
-                }
+                use super::int_avx2::pairs::avx2 as m;
+                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::AvxVnni => {
-                use super::int_avx2::pairs::vnni as k;
-                Kernels {
-                    dot: k::dot_q4_0,
-                    rows4: k::rows4_q4_0,
-                    rows4_quads: Some(k::rows4_q4_0_quads),
-                    dequantize: super::int_avx2::dequantize_q4_0,
-                }
+                use super::int_avx2::pairs::vnni as m;
+                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => {
-                use super::int_avx512::bw as k;
-                Kernels {
-                    dot: k::dot_q4_0,
-                    rows4: k::rows4_q4_0,
-                    rows4_quads: Some(k::rows4_q4_0_quads),
-                    dequantize: super::int_avx2::dequantize_q4_0,
-                }
+                use super::int_avx512::bw as m;
+                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                use super::int_avx512::vnni as k;
-                Kernels {
-                    dot: k::dot_q4_0,
-                    rows4: k::rows4_q4_0,
-                    rows4_quads: Some(k::rows4_q4_0_quads),
-                    dequantize: super::int_avx2::dequantize_q4_0,
-                }
+                use super::int_avx512::vnni as m;
+                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
             }
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
