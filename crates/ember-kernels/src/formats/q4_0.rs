@@ -8,7 +8,7 @@
 //!
 //! ember's own INT4 ([`super::Int4`]) holds the same numbers, four of these
 //! blocks at a time laid out for its kernels; ember writes INT4 matrices to
-//! GGUF files as Q4_0 ([`super::BlockQ4_0::to_q4_0`]). The kernels here were
+//! GGUF files as Q4_0 ([`super::BlockQ4::to_q4_0`]). The kernels here were
 //! INT4's before it had that layout: AVX-512 takes four blocks per register
 //! (`int_avx512`), AVX2 two (`int_avx2::pairs`).
 
