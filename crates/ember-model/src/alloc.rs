@@ -29,6 +29,78 @@ pub(crate) fn zeroed<T: bytemuck::Zeroable>(n: usize, what: &'static str) -> Res
     }
 }
 
+/// Zeroed `f32`s: on the heap ([`zeroed`]), or, from one huge page's worth
+/// up where the kernel offers transparent huge pages, in an anonymous
+/// mapping asked to be backed by them ([`Floats::huge`]).
+pub(crate) enum Floats {
+    /// Heap memory (empty until allocated).
+    Heap(Vec<f32>),
+    /// `len` values from byte `start` (a huge page boundary) of `map`.
+    Mapped { map: memmap2::MmapMut, start: usize, len: usize },
+}
+
+impl Floats {
+    /// `n` zeroed values, in memory backed by transparent huge pages when
+    /// they are at least one huge page ([`crate::weights::HUGE_PAGE`]) and
+    /// the kernel offers them, else on the heap; an error naming `what`
+    /// when the machine cannot hold them. Either way the pages stay
+    /// uncommitted until written, a huge page at a time when huge.
+    ///
+    /// Why: a KV cache is read whole by every decoded token's attention,
+    /// one layer at a time, long after the weights streamed since have
+    /// evicted it; in 4 KiB pages each of those reads crosses a page, a TLB
+    /// miss and a page walk, every 8 positions of a layer (512 bytes of
+    /// keys a position at Qwen2.5-0.5B's widths). Measured on a Xeon of
+    /// family 6 model 167 (2 threads, INT4, `ember bench -p 0 -n 64,512
+    /// --phases`, alternated): attention over 512 decoded tokens 949–970 µs
+    /// a token in small pages against 530–572 in huge ones (see the README).
+    pub(crate) fn huge(n: usize, what: &'static str) -> Result<Floats> {
+        let bytes = n.checked_mul(4).ok_or(Error::OutOfMemory { what, bytes: usize::MAX })?;
+        use crate::weights::HUGE_PAGE;
+        if bytes < HUGE_PAGE || !crate::weights::transparent_huge_pages() {
+            return zeroed(n, what).map(Floats::Heap);
+        }
+        // One huge page more, to start on a huge page boundary (the kernel
+        // backs only whole, aligned 2 MiB ranges with a huge page).
+        let total = bytes.checked_add(HUGE_PAGE).ok_or(Error::OutOfMemory { what, bytes: usize::MAX })?;
+        let map = memmap2::MmapOptions::new().len(total).map_anon().map_err(|_| Error::OutOfMemory { what, bytes })?;
+        #[cfg(target_os = "linux")]
+        {
+            // Only a hint: without it the memory still works, in small pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+        Ok(Floats::Mapped { map, start, len: n })
+    }
+}
+
+impl Default for Floats {
+    fn default() -> Floats {
+        Floats::Heap(Vec::new())
+    }
+}
+
+impl std::ops::Deref for Floats {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Floats::Heap(v) => v,
+            // An anonymous mapping is page aligned and `start` a multiple of
+            // a huge page, so the bytes are aligned for f32 (checked).
+            Floats::Mapped { map, start, len } => bytemuck::cast_slice(&map[*start..*start + 4 * *len]),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Floats {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            Floats::Heap(v) => v,
+            Floats::Mapped { map, start, len } => bytemuck::cast_slice_mut(&mut map[*start..*start + 4 * *len]),
+        }
+    }
+}
+
 /// Resizes `v` to `n` values (new ones `fill`), reserving fallibly.
 pub(crate) fn resize<T: Clone>(v: &mut Vec<T>, n: usize, fill: T, what: &'static str) -> Result<()> {
     if n > v.len() {

@@ -200,7 +200,7 @@ pub fn transparent_huge_pages() -> bool {
 }
 
 /// Huge pages are 2 MiB on x86-64 (and the common arm64 setting).
-const HUGE_PAGE: usize = 2 << 20;
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
 /// Copies the bytes of `tensors` into one anonymous mapping that the kernel
 /// is asked to back with transparent huge pages, and points the tensors at
