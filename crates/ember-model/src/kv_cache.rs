@@ -11,11 +11,18 @@ use crate::error::Result;
 /// is where a size the machine cannot hold becomes an
 /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) (the allocator hands
 /// back untouched pages, so memory is only committed as positions are
-/// written). From 2 MiB of keys up, where the kernel offers transparent
-/// huge pages, the buffers are asked to be backed by them (attention reads
-/// the cache whole every token; in 4 KiB pages that is a TLB miss every 8
-/// positions of a layer): memory is then committed 2 MiB at a time, each
-/// layer's first 2 MiB of keys and of values with its first position.
+/// written).
+///
+/// A cache made [`KvCache::in_huge_pages`] asks, from 2 MiB of keys up and
+/// where the kernel offers transparent huge pages, for its buffers to be
+/// backed by them: attention reads a layer's cache whole every token, and
+/// in 4 KiB pages that is a TLB miss every 8 positions of a layer. Memory
+/// is then committed 2 MiB at a time, each layer's first 2 MiB of keys and
+/// of values with its first position (96 MiB for Qwen2.5-0.5B from 4096
+/// positions of capacity up), so it suits one long-lived sequence (a
+/// [`State`](crate::advanced::State), a [`Session`](crate::Session) of a
+/// model whose weights are in huge pages) and not a server's many caches,
+/// whose memory should follow their positions.
 pub struct KvCache {
     /// `(layers, capacity, kv_dim)`, empty until allocated.
     keys: Floats,
@@ -26,6 +33,8 @@ pub struct KvCache {
     kv_dim: usize,
     /// Positions filled (the same for every layer between forward passes).
     len: usize,
+    /// Whether to allocate in huge pages ([`KvCache::in_huge_pages`]).
+    huge: bool,
 }
 
 impl Clone for KvCache {
@@ -47,7 +56,7 @@ impl KvCache {
     /// positions of this one (at most those filled); only they are copied.
     /// An error if the memory for another cache of this capacity is not there.
     pub fn copy_prefix(&self, len: usize) -> Result<KvCache> {
-        let mut c = KvCache::new(self.layers, self.capacity, self.kv_dim);
+        let mut c = KvCache::new(self.layers, self.capacity, self.kv_dim).in_huge_pages(self.huge);
         if len.min(self.len) > 0 {
             c.allocate()?;
         }
@@ -86,7 +95,14 @@ impl KvCache {
     /// An empty cache of `capacity` positions for `layers` layers of
     /// `kv_dim` keys (and as many values) each. Allocates nothing yet.
     pub fn new(layers: usize, capacity: usize, kv_dim: usize) -> KvCache {
-        KvCache { keys: Floats::default(), values: Floats::default(), layers, capacity, kv_dim, len: 0 }
+        KvCache { keys: Floats::default(), values: Floats::default(), layers, capacity, kv_dim, len: 0, huge: false }
+    }
+
+    /// This cache, allocating its buffers in huge pages (`true`) or not
+    /// (the default) when it allocates them: see [`KvCache`].
+    pub fn in_huge_pages(mut self, yes: bool) -> KvCache {
+        self.huge = yes;
+        self
     }
 
     /// Allocates the buffers if they are not yet:
@@ -99,10 +115,9 @@ impl KvCache {
             return Ok(());
         }
         let n = alloc::product(&[self.layers, self.capacity, self.kv_dim, 2], WHAT)? / 2;
-        // In huge pages where they are offered: attention reads the cache
-        // whole every token ([`Floats::huge`]).
-        let keys = Floats::huge(n, WHAT)?;
-        self.values = Floats::huge(n, WHAT)?;
+        let alloc = |n| if self.huge { Floats::huge(n, WHAT) } else { alloc::zeroed(n, WHAT).map(Floats::Heap) };
+        let keys = alloc(n)?;
+        self.values = alloc(n)?;
         self.keys = keys;
         Ok(())
     }
@@ -201,7 +216,7 @@ mod tests {
     #[test]
     fn a_cache_in_huge_pages_behaves_as_one_on_the_heap() {
         let (layers, capacity, kv_dim) = (3, 4096, 128); // 6 MiB of keys
-        let mut c = KvCache::new(layers, capacity, kv_dim);
+        let mut c = KvCache::new(layers, capacity, kv_dim).in_huge_pages(true);
         c.allocate().unwrap();
         assert!(c.layer(2, capacity).0.iter().chain(c.layer(2, capacity).1).all(|&v| v == 0.0));
         for pos in [0, 1, capacity - 1] {

@@ -303,7 +303,14 @@ impl Model {
 
     /// A new, empty conversation with [`Model::context`] tokens of room.
     pub fn session(self: &Arc<Self>) -> Session {
-        Session::with_context(Arc::clone(self), Context::new(self.qwen2.new_cache(self.context)))
+        Session::with_context(Arc::clone(self), Context::new(self.session_cache(self.context)))
+    }
+
+    /// A session's KV cache: in huge pages when the weights are
+    /// ([`ModelBuilder::huge_pages`]: a model that runs a while), so that
+    /// its attention does not walk a page table every 8 positions.
+    fn session_cache(&self, context: usize) -> crate::advanced::KvCache {
+        self.qwen2.new_cache(context).in_huge_pages(self.huge_page_bytes > 0)
     }
 
     /// A new conversation with room for `context` tokens (at most the
@@ -315,7 +322,7 @@ impl Model {
                 "context must be between 1 and the model's {max} tokens, not {context}"
             )));
         }
-        Ok(Session::with_context(Arc::clone(self), Context::new(self.qwen2.new_cache(context))))
+        Ok(Session::with_context(Arc::clone(self), Context::new(self.session_cache(context))))
     }
 
     /// The decoder itself, for the multi-sequence API

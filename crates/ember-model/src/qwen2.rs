@@ -399,9 +399,11 @@ impl Qwen2 {
         Ok(())
     }
 
-    /// A fresh single-sequence state with room for `context` positions.
+    /// A fresh single-sequence state with room for `context` positions, its
+    /// cache in huge pages ([`KvCache::in_huge_pages`]: one sequence driven
+    /// a while).
     pub fn new_state(&self, context: usize) -> State {
-        State { cache: self.new_cache(context), scratch: Scratch::default() }
+        State { cache: self.new_cache(context).in_huge_pages(true), scratch: Scratch::default() }
     }
 
     /// An empty KV cache for one sequence of up to `context` positions.
