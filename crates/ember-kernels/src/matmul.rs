@@ -629,7 +629,6 @@ thread_local! {
     static FEW: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Whether the integer kernels take `w`'s products.
 /// The most tokens whose integer products ([`fast_int8`]) run as each
 /// token's mat-vec over blocks of rows ([`crate::matvec::each_token_rows`]:
 /// the weights read from memory once, then from L2) rather than through
@@ -650,6 +649,7 @@ fn few_int8_tokens(w: &MatRef) -> usize {
     }
 }
 
+/// Whether the integer kernels take `w`'s products.
 fn fast_int8(isa: Isa, precision: Precision, w: &MatRef) -> bool {
     precision == Precision::Fast && gemm_int8::available(isa) && gemm_int8::handles(w)
 }
