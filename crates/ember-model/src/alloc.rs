@@ -60,16 +60,7 @@ impl Floats {
         if bytes < HUGE_PAGE || !crate::weights::transparent_huge_pages() {
             return zeroed(n, what).map(Floats::Heap);
         }
-        // One huge page more, to start on a huge page boundary (the kernel
-        // backs only whole, aligned 2 MiB ranges with a huge page).
-        let total = bytes.checked_add(HUGE_PAGE).ok_or(Error::OutOfMemory { what, bytes: usize::MAX })?;
-        let map = memmap2::MmapOptions::new().len(total).map_anon().map_err(|_| Error::OutOfMemory { what, bytes })?;
-        #[cfg(target_os = "linux")]
-        {
-            // Only a hint: without it the memory still works, in small pages.
-            let _ = map.advise(memmap2::Advice::HugePage);
-        }
-        let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+        let (map, start) = crate::weights::huge_page_map(bytes, what)?;
         Ok(Floats::Mapped { map, start, len: n })
     }
 }

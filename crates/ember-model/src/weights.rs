@@ -202,6 +202,24 @@ pub fn transparent_huge_pages() -> bool {
 /// Huge pages are 2 MiB on x86-64 (and the common arm64 setting).
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 
+/// An anonymous mapping of at least `bytes` zeroed bytes, asked to be
+/// backed by transparent huge pages, and the offset in it of a huge page
+/// boundary with `bytes` after it: one huge page more is mapped, as the
+/// kernel backs only whole, aligned 2 MiB ranges with a huge page. The
+/// advice is only a hint: without it the memory still works, in small
+/// pages. An error naming `what` when the machine cannot map it.
+pub(crate) fn huge_page_map(bytes: usize, what: &'static str) -> Result<(memmap2::MmapMut, usize)> {
+    let total = bytes.checked_add(HUGE_PAGE).ok_or(Error::OutOfMemory { what, bytes: usize::MAX })?;
+    let map =
+        memmap2::MmapOptions::new().len(total).map_anon().map_err(|_| Error::OutOfMemory { what, bytes: total })?;
+    #[cfg(target_os = "linux")]
+    {
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
+    let start = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+    Ok((map, start))
+}
+
 /// Copies the bytes of `tensors` into one anonymous mapping that the kernel
 /// is asked to back with transparent huge pages, and points the tensors at
 /// the copy. Returns the bytes copied (tensors sharing data, as a tied LM
@@ -240,16 +258,7 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
     if total == 0 {
         return Ok(0);
     }
-    // One huge page more, to start the copy on a huge page boundary (the
-    // kernel backs only whole, aligned 2 MiB ranges with a huge page).
-    let oom = |_| Error::OutOfMemory { what: "the weights' copy in huge pages", bytes: total + HUGE_PAGE };
-    let mut map = memmap2::MmapOptions::new().len(total + HUGE_PAGE).map_anon().map_err(oom)?;
-    #[cfg(target_os = "linux")]
-    {
-        // Only a hint: without it the copy still works, in small pages.
-        let _ = map.advise(memmap2::Advice::HugePage);
-    }
-    let base = (HUGE_PAGE - map.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE;
+    let (mut map, base) = huge_page_map(total, "the weights' copy in huge pages")?;
     {
         // Split the copy across the pool: it is the page faults (zeroing
         // each huge page) and the reads from the file that take the time.
@@ -266,6 +275,7 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
             }
         });
     }
+    let oom = |_| Error::OutOfMemory { what: "the weights' copy in huge pages", bytes: total + HUGE_PAGE };
     let map = map.make_read_only().map_err(oom)?;
     let storage = Arc::new(Storage::Huge { map, base });
     for (t, at) in tensors.iter_mut().zip(offsets) {
