@@ -504,6 +504,55 @@ mod tests {
         }
     }
 
+    /// Q4_0 and Q5_0 rows (as GGUF files carry them) give the bits of the
+    /// INT4 and INT5 rows of the same numbers on every tier: a GGUF ember
+    /// writes from a quantized model computes what that model does.
+    #[test]
+    fn ggml_twins_give_their_int4_and_int5_bits() {
+        use crate::formats::{BlockQ5_0, Q5_0};
+        for (rows, cols) in [(5, 128), (64, 896), (37, 4864)] {
+            let w = synth(rows * cols, cols as u64 + 11);
+            let mut q4 = vec![BlockQ4::ZERO; rows * cols / QK4];
+            let mut q5 = vec![BlockQ5::ZERO; rows * cols / QK5];
+            Int4::quantize_row(&w, &mut q4);
+            Int5::quantize_row(&w, &mut q5);
+            let q4_0: Vec<BlockQ4_0> = q4.iter().flat_map(|b| b.to_q4_0()).collect();
+            let q5_0: Vec<BlockQ5_0> = q5.iter().flat_map(|b| b.to_q5_0()).collect();
+            let values = |f: &dyn Fn(&mut [f32])| {
+                let mut v = vec![f32::NAN; rows * cols];
+                f(&mut v);
+                v
+            };
+            assert_eq!(
+                values(&|v| Int4::dequantize_reference(&q4, v)),
+                values(&|v| Q4_0::dequantize_reference(&q4_0, v))
+            );
+            assert_eq!(
+                values(&|v| Int5::dequantize_reference(&q5, v)),
+                values(&|v| Q5_0::dequantize_reference(&q5_0, v))
+            );
+            for seed in 0..3u64 {
+                let x = synth(cols, seed);
+                for isa in Isa::supported() {
+                    for (ours, ggml) in
+                        [(Weights::Int4(&q4), Weights::Q4_0(&q4_0)), (Weights::Int5(&q5), Weights::Q5_0(&q5_0))]
+                    {
+                        let (mut a, mut b) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+                        matvec_with(isa, MatRef::new(ours, rows, cols), &x, &mut a);
+                        matvec_with(isa, MatRef::new(ggml, rows, cols), &x, &mut b);
+                        assert_eq!(a, b, "{isa:?} {:?} {rows}x{cols}", ggml.ty());
+                        let (mut fa, mut fb) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+                        let ma = MatRef::new(ours, rows, cols);
+                        let mb = MatRef::new(ggml, rows, cols);
+                        matvec_swiglu(&ThreadPool::new(2), ma, ma, &x, &mut fa);
+                        matvec_swiglu(&ThreadPool::new(2), mb, mb, &x, &mut fb);
+                        assert_eq!(fa, fb, "swiglu {:?} {rows}x{cols}", ggml.ty());
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn threaded_path_splits_rows_correctly() {
         // Large enough to take the parallel path, with a ragged last chunk.

@@ -149,6 +149,75 @@ impl NibbleBlock for BlockQ4 {
     }
 }
 
+/// Four 32-weight sub-blocks of a row, as a step of the AVX2 decoding
+/// kernels (`int_avx2::x4`) reads them: one block of ember's 128-weight layouts ([`NibbleBlock`]: INT4,
+/// INT5), or four consecutive ggml blocks holding the same numbers (Q4_0,
+/// Q5_0, as GGUF files carry them). Both take the same step, so a ggml
+/// row gives its ember twin's bits to the last one (a GGUF ember writes
+/// computes what the model it was written from does), as on the AVX-512
+/// tiers, whose kernels share their step in their own way.
+pub(crate) trait Group4: bytemuck::Pod {
+    /// The code that means zero: 8 for four bits, 16 for five.
+    const OFFSET: i32;
+    /// Blocks of `Self` per group of four sub-blocks.
+    const BLOCKS: usize;
+    /// A block that reads as zeros, padding a row's last group.
+    const ZERO: Self;
+    /// The four sub-blocks' F16 scales' bits, sub-block `b`'s in bits `16b..16b + 16`.
+    ///
+    /// # Safety
+    /// `g` points at a whole group (`BLOCKS` blocks).
+    unsafe fn scales(g: *const Self) -> u64;
+    /// The 16 nibble bytes of sub-blocks `2r` and `2r + 1` (`r` 0 or 1): one
+    /// 32-byte run, or two runs of 16.
+    ///
+    /// # Safety
+    /// As [`Group4::scales`].
+    unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2];
+    /// The fifth bits of the same two sub-blocks, for their low nibbles
+    /// (weights 0..16) and their high ones (16..32): 32 bits each,
+    /// sub-block `2r`'s 16 first; `None` for four-bit codes.
+    ///
+    /// # Safety
+    /// As [`Group4::scales`].
+    unsafe fn fifth(g: *const Self, r: usize) -> Option<[u32; 2]>;
+}
+
+macro_rules! nibble_group {
+    ($block:ty) => {
+        impl Group4 for $block {
+            const OFFSET: i32 = <$block as NibbleBlock>::OFFSET;
+            const BLOCKS: usize = 1;
+            const ZERO: Self = <$block>::ZERO;
+            #[inline(always)]
+            unsafe fn scales(g: *const Self) -> u64 {
+                ((*g).scales().as_ptr() as *const u64).read_unaligned()
+            }
+            #[inline(always)]
+            unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
+                let p = (*g).nibbles().as_ptr().add(32 * r);
+                [p, p.add(16)]
+            }
+            #[inline(always)]
+            unsafe fn fifth(g: *const Self, r: usize) -> Option<[u32; 2]> {
+                // Each plane's bits of sub-blocks 2r and 2r + 1 are its 32-bit word r.
+                (*g).fifth_bits().map(|qh| {
+                    let planes = qh.as_ptr() as *const u32;
+                    [planes.add(r).read_unaligned(), planes.add(2 + r).read_unaligned()]
+                })
+            }
+        }
+    };
+}
+nibble_group!(BlockQ4);
+nibble_group!(super::BlockQ5);
+
+/// The scales of four ggml blocks as [`Group4::scales`] has them.
+#[inline(always)]
+pub(crate) fn ggml_scales(d: [half::f16; 4]) -> u64 {
+    d.iter().enumerate().fold(0, |a, (b, d)| a | (d.to_bits() as u64) << (16 * b))
+}
+
 /// The INT4 row of the format table.
 pub struct Int4;
 
@@ -221,7 +290,7 @@ impl Format for Int4 {
 pub(super) fn nibble_kernels<F>(tier: Tier) -> Kernels<F>
 where
     F: Format<Act = BlockA8>,
-    F::Block: NibbleBlock,
+    F::Block: NibbleBlock + Group4,
 {
     #[cfg(target_arch = "x86_64")]
     let k = |dot, rows4, rows4_quads| Kernels {

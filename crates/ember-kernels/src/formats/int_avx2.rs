@@ -1,10 +1,10 @@
-//! AVX2 integer kernels of the INT8, INT4, INT5 and Q4_0 rows: `maddubs` (u8 × i8 → i16
+//! AVX2 integer kernels of the INT8, INT4, INT5, Q4_0 and Q5_0 rows: `maddubs` (u8 × i8 → i16
 //! pairs) then `madd` with ones (→ i32), one f32 FMA per block for the scales;
 //! and the int8 activation quantizer. Each requires AVX2, FMA and F16C; an
 //! `Isa` of the AVX2 tier or above is the proof.
 use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
-use super::int4::{NibbleBlock, QK4};
+use super::int4::{Group4, NibbleBlock, QK4};
 use super::int5::planes;
 use super::int8::BlockQ8;
 use super::q4_0::BlockQ4_0;
@@ -255,32 +255,13 @@ pub unsafe fn quantize_activations_k(x: &[f32], dst: &mut [BlockA8K]) {
     }
 }
 
-/// A row block with one F16 scale (INT8's and Q4_0's), for [`scale_pairs`].
-pub(super) trait F16Scaled {
-    /// The block's scale.
-    fn scale(&self) -> half::f16;
-}
-
-impl F16Scaled for BlockQ4_0 {
-    fn scale(&self) -> half::f16 {
-        self.d
-    }
-}
-
-impl F16Scaled for BlockQ8 {
-    fn scale(&self) -> half::f16 {
-        self.d
-    }
-}
-
 /// `d_w · d_x` of blocks `i` and `j` of up to 4 rows: row k's block i in
 /// lane k of the low 128-bit lane, its block j in lane k of the high one
 /// (`dx` holds the activations' two scales the same way). The F16 scales
 /// are gathered by the integer unit (idle here) and widened in one
 /// conversion, where converting and spreading each row's pair took six or
-/// seven vector operations, most of them shuffles. Used by the AVX2/AVX-VNNI Q4_0 kernel (`pairs`, for a
-/// row's last odd block; whole pairs take `pairs::scales_whole`) and the
-/// AVX-512 INT8 one. Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
+/// seven vector operations, most of them shuffles. Used by the AVX-512
+/// INT8 kernel (and once by the AVX2 Q4_0 one). Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
 /// L2, both kernels alternated in one process, 200 rounds) 3-6% faster at
 /// the median: 9.1 → 9.4 and 9.4 → 9.7 GB/s, the kernel staying
 /// compute-bound at about 10 cycles per row and pair of blocks, with the
@@ -289,227 +270,32 @@ impl F16Scaled for BlockQ8 {
 /// loaded.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn scale_pairs<B: F16Scaled, const R: usize>(
-    w: &[&[B]; R],
-    i: usize,
-    j: usize,
-    dx: __m256,
-) -> __m256 {
-    let gather = |b: usize| (0..R).fold(0u64, |a, k| a | (w[k].get_unchecked(b).scale().to_bits() as u64) << (16 * k));
+pub(super) unsafe fn scale_pairs<const R: usize>(w: &[&[BlockQ8]; R], i: usize, j: usize, dx: __m256) -> __m256 {
+    let gather = |b: usize| (0..R).fold(0u64, |a, k| a | (w[k].get_unchecked(b).d.to_bits() as u64) << (16 * k));
     let h = _mm_set_epi64x(gather(j) as i64, gather(i) as i64);
     _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
 }
 
-/// Q4_0 decoding (INT4's kernels before its own layout) two blocks per
-/// 256-bit register, for the AVX2 and AVX-VNNI
-/// tiers (the AVX-512 tiers hold four: `int_avx512`). Each 128-bit lane
-/// holds one block's 16 packed bytes: its low nibbles (weights 0..16) meet
-/// the activations' first halves, its high nibbles (16..32) the second
-/// halves, so no nibble is moved across lanes. A step takes two blocks of
-/// four rows: two rounds of horizontal adds fold the four rows' integer
-/// partial sums into one vector (on AVX2 `vphaddw` on the i16 pair sums,
-/// then one `vpmaddwd` for all four rows; on AVX-VNNI `vphaddd` after
-/// `vpdpbusd`), row k's two block sums in lane k of each 128-bit lane,
-/// which is the layout of the scales ([`scale_pairs`]); so the step has
-/// one offset add, one conversion and one FMA for its four rows, where each
-/// row had its own offset add, conversion, scale shuffle and FMA; and the
-/// scales of a whole step come from one 32-byte load per row
-/// ([`scales_whole`]). This VM (Zen 3) sustained about 3 vector operations
-/// a cycle, so the count of operations is what the kernel's speed follows. One thread, 512 × 896 in
-/// L2 through `matvec_with`, the build before and this one alternated 8
-/// times: 3.95 → 3.16 ns per row and two blocks (medians; 10.0 → 12.5
-/// GB/s) with `vphaddd` after a `vpmaddwd` per row, then 3.17 → 3.08 with
-/// the fold in i16 before one.
+/// INT4, INT5, Q4_0 and Q5_0 decoding two 32-weight sub-blocks per 256-bit
+/// register, for the AVX2 and AVX-VNNI tiers (the AVX-512 tiers hold four:
+/// `int_avx512`). A step takes a group of four sub-blocks ([`Group4`]: an
+/// INT4 or INT5 block, or four Q4_0 or Q5_0 blocks). Register `r` holds
+/// sub-blocks `2r` and `2r + 1`, one per 128-bit lane, as the activations'
+/// quad lays out its blocks ([`BlockA8x4`]): each lane's low nibbles
+/// (weights 0..16) meet the activations' first halves and its high nibbles
+/// the second, so no nibble moves across lanes. Fifth bits are spread to
+/// bytes by [`fifth_bits`]. Each row keeps its own accumulator, one
+/// conversion and one FMA per register. The activations come as blocks (a
+/// quad built per step, [`crate::formats::quad_at`]) or laid out once per
+/// mat-vec: the same steps, so the same bits.
 ///
-/// The activations come either as blocks ([`BlockA8`], each step builds
-/// its pair) or laid out once per mat-vec ([`BlockA8x4`], two steps per
-/// quad, nothing built per step); both give the same bits.
-pub mod pairs {
-    use super::*;
-    use crate::formats::act::BlockA8x4;
-
-    /// Two activation blocks as one step's operands.
-    struct Pair {
-        /// Bytes 0..16 of blocks i and i + 1, one per 128-bit lane.
-        lo: __m256i,
-        /// Bytes 16..32 of the same blocks.
-        hi: __m256i,
-        /// `−8 · Σx` of block i in every lane of the low 128-bit lane, of
-        /// block i + 1 in the high one.
-        start: __m256i,
-        /// Block i's activation scale in the low 128-bit lane, block i + 1's
-        /// in the high one.
-        d: __m256,
-    }
-
-    /// The activation pair at block `i`; a block past the end is zeros.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn pair(x: &[BlockA8], i: usize) -> Pair {
-        let a = x.get_unchecked(i);
-        let a0 = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-        let (a1, s1, d1) = match x.get(i + 1) {
-            Some(b) => (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), b.sum, b.d),
-            None => (_mm256_setzero_si256(), 0, 0.0),
-        };
-        Pair {
-            lo: _mm256_permute2x128_si256::<0x20>(a0, a1),
-            hi: _mm256_permute2x128_si256::<0x31>(a0, a1),
-            start: _mm256_setr_m128i(_mm_set1_epi32(-8 * a.sum), _mm_set1_epi32(-8 * s1)),
-            d: _mm256_setr_m128(_mm_set1_ps(a.d), _mm_set1_ps(d1)),
-        }
-    }
-
-    /// Pair `h` (0 or 1) of a quad: its blocks 2h and 2h + 1.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn pair_of_quad(q: &BlockA8x4, h: usize) -> Pair {
-        let start = _mm256_loadu_si256(q.start.as_ptr().add(8 * h) as *const __m256i);
-        Pair {
-            lo: _mm256_loadu_si256(q.lo.as_ptr().add(32 * h) as *const __m256i),
-            hi: _mm256_loadu_si256(q.hi.as_ptr().add(32 * h) as *const __m256i),
-            // The quad holds each offset in the first lane of its block's four.
-            start: _mm256_shuffle_epi32::<0>(start),
-            d: _mm256_setr_m128(_mm_set1_ps(q.d[2 * h]), _mm_set1_ps(q.d[2 * h + 1])),
-        }
-    }
-
-    /// The four rows' sums in lane k (row k) of the low half (block i) and
-    /// of the high half (block j) of `acc`.
-    #[inline]
-    #[target_feature(enable = "avx")]
-    unsafe fn finish(acc: __m256) -> [f32; 4] {
-        std::mem::transmute(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)))
-    }
-
-    /// [`scale_pairs`] for blocks `i` and `i + 1` of four rows (both in
-    /// each row), from one 32-byte load per row: block i's scale is its
-    /// word 0 (low 128-bit lane), block i + 1's its word 9 (word 1 of the
-    /// high lane). Two rounds of word and dword unpacks gather the rows'
-    /// scales, block i's in the low lane's first 8 bytes, block i + 1's in
-    /// the high lane's last 8, and one qword permute joins them: 8 vector
-    /// operations where the scalar gather takes 23.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn scales_whole(w: &[&[BlockQ4_0]; 4], i: usize, dx: __m256) -> __m256 {
-        let v: [__m256i; 4] = std::array::from_fn(|k| _mm256_loadu_si256(w[k].as_ptr().add(i) as *const __m256i));
-        // Low lane words 0..4: rows 0..4 of block i; high lane words 2..4: rows 0, 1 of block i + 1.
-        let (v01, v23) = (_mm256_unpacklo_epi16(v[0], v[1]), _mm256_unpacklo_epi16(v[2], v[3]));
-        // Low lane words 0..4: block i of rows 0..4; high lane words 4..8: block i + 1 of rows 0..4.
-        let u = _mm256_unpacklo_epi32(v01, v23);
-        let h = _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b11_00>(u));
-        _mm256_mul_ps(_mm256_cvtph_ps(h), dx)
-    }
-
-    macro_rules! kernels {
-        ($module:ident, $features:literal, $doc:literal, |$lo:ident, $hi:ident, $xlo:ident, $xhi:ident| $dot:expr, |$s:ident| $fold:expr) => {
-            #[doc = $doc]
-            pub mod $module {
-                use super::*;
-
-                /// One step: blocks `i` and `j` of four rows against `p`
-                /// added to `acc` (see [`super`]).
-                #[inline]
-                #[target_feature(enable = $features)]
-                unsafe fn step(w: &[&[BlockQ4_0]; 4], i: usize, j: usize, p: &Pair, acc: __m256) -> __m256 {
-                    let nibble = _mm256_set1_epi8(15);
-                    let d = if j == i + 1 { super::scales_whole(w, i, p.d) } else { super::scale_pairs(w, i, j, p.d) };
-                    let sums: [__m256i; 4] = std::array::from_fn(|k| {
-                        let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
-                        if i % 4 == 0 {
-                            prefetch_step(b0 as *const BlockQ4_0 as *const u8, 4 * std::mem::size_of::<BlockQ4_0>());
-                        }
-                        let bytes = _mm256_inserti128_si256::<1>(
-                            _mm256_castsi128_si256(_mm_loadu_si128(b0.qs.as_ptr() as *const __m128i)),
-                            _mm_loadu_si128(b1.qs.as_ptr() as *const __m128i),
-                        );
-                        let $lo = _mm256_and_si256(bytes, nibble);
-                        let $hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble);
-                        let ($xlo, $xhi) = (p.lo, p.hi);
-                        $dot
-                    });
-                    let $s = sums;
-                    let s = $fold;
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s, p.start)), d, acc)
-                }
-
-                /// Four Q4_0 rows against the same activations.
-                #[target_feature(enable = $features)]
-                pub unsafe fn rows4_q4_0(w: [&[BlockQ4_0]; 4], x: &[BlockA8]) -> [f32; 4] {
-                    let n = x.len();
-                    let mut acc = _mm256_setzero_ps();
-                    let mut i = 0;
-                    while i < n {
-                        // Past the end, repeat the block (its activations are zero).
-                        let j = if i + 1 < n { i + 1 } else { i };
-                        acc = step(&w, i, j, &pair(x, i), acc);
-                        i += 2;
-                    }
-                    finish(acc)
-                }
-
-                /// Four Q4_0 rows against activations laid out by
-                /// [`crate::formats::quads_of`]: [`rows4_q4_0`]'s bits.
-                #[target_feature(enable = $features)]
-                pub unsafe fn rows4_q4_0_quads(w: [&[BlockQ4_0]; 4], x: &[BlockA8x4]) -> [f32; 4] {
-                    let n = w[0].len();
-                    debug_assert_eq!(x.len(), n.div_ceil(4));
-                    let mut acc = _mm256_setzero_ps();
-                    for (m, q) in x.iter().enumerate() {
-                        for h in 0..2 {
-                            let i = 4 * m + 2 * h;
-                            if i >= n {
-                                break;
-                            }
-                            let j = if i + 1 < n { i + 1 } else { i };
-                            acc = step(&w, i, j, &pair_of_quad(q, h), acc);
-                        }
-                    }
-                    finish(acc)
-                }
-
-                /// One Q4_0 row: [`rows4_q4_0`] with the row four times (a
-                /// matrix's last rows past a multiple of four).
-                #[target_feature(enable = $features)]
-                pub unsafe fn dot_q4_0(w: &[BlockQ4_0], x: &[BlockA8]) -> f32 {
-                    rows4_q4_0([w; 4], x)[0]
-                }
-            }
-        };
-    }
-
-    kernels!(
-        avx2,
-        "avx2,fma,f16c",
-        "With `vpmaddubsw`: both halves' pair sums added as i16 (at most 2 · 2 · 15 · 128 = 7680 in magnitude), the \
-         four rows' folded by two rounds of `vphaddw` (sums of 4 such: at most 30720, still an i16), then one \
-         `vpmaddwd` for the step.",
-        |lo, hi, xlo, xhi| _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)),
-        |s| _mm256_madd_epi16(
-            _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])),
-            _mm256_set1_epi16(1)
-        )
-    );
-
-    kernels!(
-        vnni,
-        "avx2,fma,f16c,avxvnni",
-        "With `vpdpbusd` (AVX-VNNI): two instructions per row and two blocks, the four rows' sums folded by two \
-         rounds of `vphaddd`.",
-        |lo, hi, xlo, xhi| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi),
-        |s| _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]))
-    );
-}
-
-/// INT4 and INT5 decoding ([`NibbleBlock`]) two sub-blocks per 256-bit
-/// register, for the AVX2 and AVX-VNNI tiers (the AVX-512 tiers hold a
-/// whole block: `int_avx512`). Register `r` of a block holds sub-blocks
-/// `2r` and `2r + 1`, one per 128-bit lane, as the activations' quad lays
-/// out its blocks ([`BlockA8x4`]); INT5's fifth bits of its low and high
-/// nibbles are 32 consecutive bits of each plane, spread to bytes by
-/// [`fifth_bits`]. Each row keeps its own accumulator. The activations come
-/// as blocks (a quad built per step, [`crate::formats::quad_at`]) or laid
-/// out once per mat-vec: the same steps, so the same bits.
+/// Q4_0 had a kernel of its own here that folded four rows' integer sums
+/// into one register by horizontal adds (one conversion and one FMA per
+/// four rows and two blocks). It added the blocks in another f32 order
+/// than INT4's, so an INT4 model and its GGUF twin (the same numbers as
+/// Q4_0) differed by 0.27 in a 5-token prompt's last logits on these tiers
+/// (int8 activations turn a last-bit difference into a whole code now and
+/// then), where the AVX-512 tiers, sharing one step, agree to the bit.
 pub mod x4 {
     use super::*;
     use crate::formats::act::{quad_at, BlockA8x4};
@@ -520,34 +306,39 @@ pub mod x4 {
             pub mod $module {
                 use super::*;
 
-                /// Block `m` of `R` rows against the quad `q`.
+                /// Group `m` of `R` rows against the quad `q`.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn step<B: NibbleBlock, const R: usize>(
+                unsafe fn step<B: Group4, const R: usize>(
                     w: &[&[B]; R],
                     m: usize,
                     q: &BlockA8x4,
                     acc: &mut [__m256; R],
                 ) {
+                    debug_assert!(w.iter().all(|row| row.len() >= (m + 1) * B::BLOCKS));
                     let nibble = _mm256_set1_epi8(15);
                     // Register r's scales: sub-block 2r's in the low lane, 2r + 1's in the high.
                     let spread = [_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)];
                     let dx = _mm_loadu_ps(q.d.as_ptr());
                     for k in 0..R {
-                        let b = w[k].get_unchecked(m);
-                        prefetch_step(b as *const B as *const u8, std::mem::size_of::<B>());
+                        let g = w[k].as_ptr().add(m * B::BLOCKS);
+                        prefetch_step(g as *const u8, B::BLOCKS * std::mem::size_of::<B>());
                         let d4 = _mm256_castps128_ps256(_mm_mul_ps(
-                            _mm_cvtph_ps(_mm_loadl_epi64(b.scales().as_ptr() as *const __m128i)),
+                            _mm_cvtph_ps(_mm_cvtsi64_si128(B::scales(g) as i64)),
                             dx,
                         ));
                         for r in 0..2 {
-                            let bytes = _mm256_loadu_si256(b.nibbles().as_ptr().add(32 * r) as *const __m256i);
+                            let [p0, p1] = B::nibbles(g, r);
+                            let bytes = if p1 == p0.add(16) {
+                                _mm256_loadu_si256(p0 as *const __m256i)
+                            } else {
+                                _mm256_loadu2_m128i(p1 as *const __m128i, p0 as *const __m128i)
+                            };
                             let mut $lo = _mm256_and_si256(bytes, nibble);
                             let mut $hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble);
-                            if let Some(qh) = b.fifth_bits() {
-                                let planes = qh.as_ptr() as *const u32;
-                                $lo = _mm256_or_si256($lo, fifth_bits(planes.add(r).read_unaligned()));
-                                $hi = _mm256_or_si256($hi, fifth_bits(planes.add(2 + r).read_unaligned()));
+                            if let Some([low, high]) = B::fifth(g, r) {
+                                $lo = _mm256_or_si256($lo, fifth_bits(low));
+                                $hi = _mm256_or_si256($hi, fifth_bits(high));
                             }
                             let $xlo = _mm256_load_si256(q.lo.as_ptr().add(32 * r) as *const __m256i);
                             let $xhi = _mm256_load_si256(q.hi.as_ptr().add(32 * r) as *const __m256i);
@@ -561,39 +352,61 @@ pub mod x4 {
                     }
                 }
 
-                /// `R` INT4 or INT5 rows against the same activations.
+                /// The last group of rows whose sub-blocks are not a multiple
+                /// of four (ggml rows), padded with zeros, against `q`.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn rows<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
-                    debug_assert_eq!(x.len(), 4 * w[0].len());
+                unsafe fn tail<B: Group4, const R: usize>(w: &[&[B]; R], q: &BlockA8x4, acc: &mut [__m256; R]) {
+                    let whole = w[0].len() / B::BLOCKS * B::BLOCKS;
+                    let pads: [[B; 4]; R] = std::array::from_fn(|k| {
+                        let mut p = [B::ZERO; 4];
+                        p[..w[k].len() - whole].copy_from_slice(&w[k][whole..]);
+                        p
+                    });
+                    step(&std::array::from_fn(|k| &pads[k][..]), 0, q, acc);
+                }
+
+                /// `R` rows against the same activations.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn rows<B: Group4, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
+                    debug_assert_eq!(x.len() * B::BLOCKS, 4 * w[0].len());
                     let mut acc = [_mm256_setzero_ps(); R];
-                    for (m, a4) in x.chunks_exact(4).enumerate() {
+                    let mut quads = x.chunks_exact(4);
+                    for (m, a4) in quads.by_ref().enumerate() {
                         step(&w, m, &quad_at(a4), &mut acc);
+                    }
+                    if !quads.remainder().is_empty() {
+                        tail(&w, &quad_at(quads.remainder()), &mut acc);
                     }
                     acc.map(|v| hsum(v))
                 }
 
-                /// Four INT4 or INT5 rows against the same activations.
+                /// Four rows against the same activations.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_x4<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8]) -> [f32; 4] {
+                pub unsafe fn rows4_x4<B: Group4>(w: [&[B]; 4], x: &[BlockA8]) -> [f32; 4] {
                     rows(w, x)
                 }
 
-                /// Four INT4 or INT5 rows against activations laid out by
+                /// Four rows against activations laid out by
                 /// [`crate::formats::quads_of`]: [`rows4_x4`]'s bits.
                 #[target_feature(enable = $features)]
-                pub unsafe fn rows4_x4_quads<B: NibbleBlock>(w: [&[B]; 4], x: &[BlockA8x4]) -> [f32; 4] {
-                    debug_assert_eq!(x.len(), w[0].len());
+                pub unsafe fn rows4_x4_quads<B: Group4>(w: [&[B]; 4], x: &[BlockA8x4]) -> [f32; 4] {
+                    let groups = w[0].len() / B::BLOCKS;
+                    debug_assert_eq!(x.len(), (4 * w[0].len() / B::BLOCKS).div_ceil(4));
                     let mut acc = [_mm256_setzero_ps(); 4];
-                    for (m, q) in x.iter().enumerate() {
+                    for (m, q) in x[..groups].iter().enumerate() {
                         step(&w, m, q, &mut acc);
+                    }
+                    if let Some(q) = x.get(groups) {
+                        tail(&w, q, &mut acc);
                     }
                     acc.map(|v| hsum(v))
                 }
 
-                /// One INT4 or INT5 row.
+                /// One row.
                 #[target_feature(enable = $features)]
-                pub unsafe fn dot_x4<B: NibbleBlock>(w: &[B], x: &[BlockA8]) -> f32 {
+                pub unsafe fn dot_x4<B: Group4>(w: &[B], x: &[BlockA8]) -> f32 {
                     rows([w], x)[0]
                 }
             }

@@ -1,14 +1,14 @@
-//! AVX2 kernels of the 32-weight ggml rows Q4_1, Q5_0 and Q5_1 against int8
+//! AVX2 kernels of the 32-weight ggml rows Q4_1 and Q5_1 against int8
 //! activation blocks ([`BlockA8`]): each block's codes unpacked to 32
 //! unsigned bytes (nibbles in place, Q5's fifth bits spread from `qh` by a
 //! byte shuffle and a bit test), `vpmaddubsw` + `vpmaddwd` to eight i32
-//! sums, one conversion and FMA by `d_w · d_x`; the offset (Q5_0: `−16 ·
-//! Σx`) or minimum (`m · d_x · Σx`) is a scalar per block. Dequantizing
+//! sums, one conversion and FMA by `d_w · d_x`; the minimum (`m · d_x ·
+//! Σx`) is a scalar per block. Dequantizing
 //! rounds as the reference does (a product, then the minimum added), so it
 //! is bit for bit the same. Each kernel requires AVX2, FMA and F16C; an
-//! `Isa` of the AVX2 tier or above is the proof. (Q5_0 decodes with these
-//! on the AVX2 tiers only; the AVX-512 tiers take four blocks a register,
-//! [`super::int_avx512`].)
+//! `Isa` of the AVX2 tier or above is the proof. Q5_0's dequantizer is
+//! here too; its dot products take INT5's step ([`super::int_avx2::x4`] and
+//! [`super::int_avx512`]).
 
 use super::act::{BlockA8, QK_A8 as QK};
 use super::int_avx2::{hsum, nibbles, scale, store_scaled};
@@ -128,15 +128,15 @@ legacy!(
     |d| store_affine(d.0, scale(b.d), scale(b.m), d.1)
 );
 
-legacy!(
-    BlockQ5_0,
-    dot_q5_0,
-    rows4_q5_0,
-    dequantize_q5_0,
-    |b| _mm256_or_si256(nibbles(b.qs.as_ptr()), fifth_bits(b.qh)),
-    |_b, a, dd| dd * (-16 * a.sum) as f32,
-    |d| store_scaled(_mm256_sub_epi8(d.0, _mm256_set1_epi8(16)), scale(b.d), d.1)
-);
+/// Q5_0 blocks to f32, bit for bit the reference. (Its dot products take
+/// INT5's step: `int_avx2::x4`.)
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_q5_0(src: &[BlockQ5_0], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+        let u = _mm256_or_si256(nibbles(b.qs.as_ptr()), fifth_bits(b.qh));
+        store_scaled(_mm256_sub_epi8(u, _mm256_set1_epi8(16)), scale(b.d), y.as_mut_ptr());
+    }
+}
 
 legacy!(
     BlockQ5_1,

@@ -8,11 +8,13 @@
 //!
 //! ember's own INT4 ([`super::Int4`]) holds the same numbers, four of these
 //! blocks at a time laid out for its kernels; ember writes INT4 matrices to
-//! GGUF files as Q4_0 ([`super::BlockQ4::to_q4_0`]). The kernels here were
-//! INT4's before it had that layout: AVX-512 takes four blocks per register
-//! (`int_avx512`), AVX2 two (`int_avx2::pairs`).
+//! GGUF files as Q4_0 ([`super::BlockQ4::to_q4_0`]). Its kernels take
+//! INT4's step from four blocks at a time (`int_avx512`, and `int_avx2::x4`
+//! through [`Group4`]), so a Q4_0 row gives the bits of the INT4 row of the
+//! same numbers on every tier.
 
 use super::act::{BlockA8, QK_A8};
+use super::int4::{ggml_scales, Group4};
 use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
@@ -55,6 +57,24 @@ pub(crate) fn codes4(qs: &[u8; QK / 2]) -> [u8; QK] {
 /// Packs 32 four-bit codes into Q4_0's 16 bytes.
 pub(crate) fn pack4(c: &[u8; QK]) -> [u8; QK / 2] {
     std::array::from_fn(|i| (c[i] & 15) | ((c[i + QK / 2] & 15) << 4))
+}
+
+impl Group4 for BlockQ4_0 {
+    const OFFSET: i32 = 8;
+    const BLOCKS: usize = 4;
+    const ZERO: Self = BlockQ4_0::ZERO;
+    #[inline(always)]
+    unsafe fn scales(g: *const Self) -> u64 {
+        ggml_scales(std::array::from_fn(|b| (*g.add(b)).d))
+    }
+    #[inline(always)]
+    unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
+        [(*g.add(2 * r)).qs.as_ptr(), (*g.add(2 * r + 1)).qs.as_ptr()]
+    }
+    #[inline(always)]
+    unsafe fn fifth(_: *const Self, _: usize) -> Option<[u32; 2]> {
+        None
+    }
 }
 
 /// The Q4_0 row of the format table.
@@ -128,13 +148,13 @@ impl Format for Q4_0 {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => {
-                use super::int_avx2::pairs::avx2 as m;
-                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
+                use super::int_avx2::x4::avx2 as m;
+                k(m::dot_x4::<BlockQ4_0>, m::rows4_x4::<BlockQ4_0>, m::rows4_x4_quads::<BlockQ4_0>)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::AvxVnni => {
-                use super::int_avx2::pairs::vnni as m;
-                k(m::dot_q4_0, m::rows4_q4_0, m::rows4_q4_0_quads)
+                use super::int_avx2::x4::vnni as m;
+                k(m::dot_x4::<BlockQ4_0>, m::rows4_x4::<BlockQ4_0>, m::rows4_x4_quads::<BlockQ4_0>)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512 => {

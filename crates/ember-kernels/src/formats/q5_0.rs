@@ -9,7 +9,8 @@
 //! products of prefill ([`crate::gemm_int8`]) take it as they take INT4.
 
 use super::act::{BlockA8, QK_A8};
-use super::{x86_kernels, Codes, Format, Kernels, WeightType, Weights};
+use super::int4::{ggml_scales, Group4};
+use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
 
@@ -49,6 +50,26 @@ pub(crate) fn codes5(qh: [u8; 4], qs: &[u8; QK / 2]) -> [u8; QK] {
 pub(crate) fn pack5(c: &[u8; QK]) -> ([u8; 4], [u8; QK / 2]) {
     let h = c.iter().enumerate().fold(0u32, |h, (j, &v)| h | (((v >> 4) as u32 & 1) << j));
     (h.to_le_bytes(), std::array::from_fn(|i| (c[i] & 15) | ((c[i + QK / 2] & 15) << 4)))
+}
+
+impl Group4 for BlockQ5_0 {
+    const OFFSET: i32 = 16;
+    const BLOCKS: usize = 4;
+    const ZERO: Self = BlockQ5_0::ZERO;
+    #[inline(always)]
+    unsafe fn scales(g: *const Self) -> u64 {
+        ggml_scales(std::array::from_fn(|b| (*g.add(b)).d))
+    }
+    #[inline(always)]
+    unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
+        [(*g.add(2 * r)).qs.as_ptr(), (*g.add(2 * r + 1)).qs.as_ptr()]
+    }
+    #[inline(always)]
+    unsafe fn fifth(g: *const Self, r: usize) -> Option<[u32; 2]> {
+        // A block's bit j is weight j's: its low 16 bits go with the low nibbles.
+        let (a, b) = (u32::from_le_bytes((*g.add(2 * r)).qh), u32::from_le_bytes((*g.add(2 * r + 1)).qh));
+        Some([(a & 0xffff) | (b << 16), (a >> 16) | (b & 0xffff_0000)])
+    }
 }
 
 /// The Q5_0 row of the format table.
@@ -111,29 +132,44 @@ impl Format for Q5_0 {
         Some(Codes { d: b.d.to_f32(), u: codes5(b.qh, &b.qs), offset: 16 })
     }
 
-    /// AVX2 tiers: a block at a time (`legacy_avx2`); AVX-512 tiers: four
-    /// blocks per register, as INT4's kernels (`int_avx512`).
+    /// INT5's steps from four blocks at a time: on the AVX2 tiers through
+    /// `Group4` (`int_avx2::x4`), on the AVX-512 tiers four blocks per
+    /// register (`int_avx512`). So a Q5_0 row gives the bits of the INT5 row
+    /// of the same numbers on every tier.
     fn kernels(tier: Tier) -> Kernels<Q5_0> {
         #[cfg(target_arch = "x86_64")]
-        {
-            let avx512 = |dot, rows4, rows4_quads| Kernels {
-                dot,
-                rows4,
-                rows4_quads: Some(rows4_quads),
-                dequantize: super::legacy_avx2::dequantize_q5_0,
-            };
-            match tier {
-                Tier::Avx512 => {
-                    use super::int_avx512::bw as k;
-                    return avx512(k::dot_q5_0, k::rows4_q5_0, k::rows4_q5_0_quads);
-                }
-                Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                    use super::int_avx512::vnni as k;
-                    return avx512(k::dot_q5_0, k::rows4_q5_0, k::rows4_q5_0_quads);
-                }
-                _ => {}
+        let k = |dot, rows4, rows4_quads| Kernels {
+            dot,
+            rows4,
+            rows4_quads: Some(rows4_quads),
+            dequantize: super::legacy_avx2::dequantize_q5_0,
+        };
+        match tier {
+            Tier::Scalar => reference_kernels(),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 => {
+                use super::int_avx2::x4::avx2 as m;
+                k(m::dot_x4::<BlockQ5_0>, m::rows4_x4::<BlockQ5_0>, m::rows4_x4_quads::<BlockQ5_0>)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::AvxVnni => {
+                use super::int_avx2::x4::vnni as m;
+                k(m::dot_x4::<BlockQ5_0>, m::rows4_x4::<BlockQ5_0>, m::rows4_x4_quads::<BlockQ5_0>)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512 => {
+                use super::int_avx512::bw as m;
+                k(m::dot_q5_0, m::rows4_q5_0, m::rows4_q5_0_quads)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+                use super::int_avx512::vnni as m;
+                k(m::dot_q5_0, m::rows4_q5_0, m::rows4_q5_0_quads)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
+                unreachable!("x86 tiers are only detected on x86")
             }
         }
-        x86_kernels!(tier, legacy_avx2, dot_q5_0, rows4_q5_0, dequantize_q5_0)
     }
 }
