@@ -154,6 +154,18 @@ pub struct Acts<'a> {
     per_token: usize,
 }
 
+impl<'a> Acts<'a> {
+    /// Tokens quantized.
+    pub(crate) fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Token `i`'s blocks `(cols / 32,)`.
+    pub(crate) fn token(&self, i: usize) -> &'a [BlockA8] {
+        &self.blocks[i * self.per_token..(i + 1) * self.per_token]
+    }
+}
+
 /// Quantizes `x (T, cols)` into `buf` (with `isa`'s quantizer, bit for bit
 /// the reference), spreading tokens over `pool` (or on the calling thread
 /// without one). `cols` must be a multiple of 32.
@@ -283,6 +295,12 @@ unsafe fn pack_q8_avx2(w: &[BlockQ8], blocks: usize, rows: std::ops::Range<usize
 /// offset), whole blocks per row.
 pub fn handles(w: &MatRef) -> bool {
     w.weights.ty().act() == ActType::A8 && w.weights.ty().has_codes() && w.cols.is_multiple_of(QK_A8)
+}
+
+/// Whether [`matmul_rows`] packs `w`'s panels with a vector loop (INT8, on
+/// x86) rather than a block at a time through [`Format::codes`].
+pub fn packs_fast(w: &MatRef) -> bool {
+    cfg!(target_arch = "x86_64") && w.weights.ty() == crate::formats::WeightType::Int8
 }
 
 /// Rows `rows` of `Y = X @ Wᵀ` on the calling thread, `w (·, cols)` in a row

@@ -10,7 +10,8 @@
 //!
 //! | weights | kernel |
 //! |---|---|
-//! | INT8/INT4 at fast precision | [`gemm_int8`]: int8 activations, integer dot products |
+//! | INT8 at fast precision, 2–4 tokens; INT4, INT5, Q4_0, Q5_0 2–16 (several sequences decoding) | `matvec::each_token_rows`: each token's mat-vec over blocks of rows in L2 |
+//! | INT8/INT4 at fast precision otherwise | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX, from `AMX_MIN_TOKENS` (32) tokens on | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 on AMX, 9–16 tokens (several sequences decoding) | `amx::few_rows`: weight tiles loaded in place, one token tile |
 //! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
@@ -628,6 +629,26 @@ thread_local! {
     static FEW: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// The most tokens whose integer products ([`fast_int8`]) run as each
+/// token's mat-vec over blocks of rows ([`crate::matvec::each_token_rows`]:
+/// the weights read from memory once, then from L2) rather than through
+/// [`gemm_int8`]'s packed panels, whose packing is paid per product. INT8,
+/// packed by a vector loop, takes panels from 5 tokens on; the other
+/// integer types, packed a block at a time through [`Format::codes`], from
+/// 17. Measured on 2 cores of a Xeon with AMX (family 6 model 167,
+/// 2026-12-06, `ember bench -p 0 -n 32 --sequences …`, aggregate tok/s,
+/// mat-vecs against panels): INT4 2 sequences 120 against 18.5, 4 136 against
+/// 36, 8 152 against 67, 16 139–159 against 122–123, 24 151 against 164;
+/// INT8 2 92 against 51, 4 100–112 against 92–95, 6 112 against 128, 8
+/// 116–129 against 155–162.
+fn few_int8_tokens(w: &MatRef) -> usize {
+    if gemm_int8::packs_fast(w) {
+        4
+    } else {
+        16
+    }
+}
+
 /// Whether the integer kernels take `w`'s products.
 fn fast_int8(isa: Isa, precision: Precision, w: &MatRef) -> bool {
     precision == Precision::Fast && gemm_int8::available(isa) && gemm_int8::handles(w)
@@ -758,10 +779,13 @@ fn product_rows(
     prepared: &Prepared,
     out: &Out,
 ) {
+    let t = x.len() / w.cols;
     if let Some(acts) = prepared.int8.as_ref().filter(|_| fast_int8(isa, precision, &w)) {
+        if t <= few_int8_tokens(&w) {
+            return crate::matvec::each_token_rows(isa, w, rows, x, acts, out);
+        }
         return with_weights!(w.weights, |F, data| gemm_int8::matmul_rows::<F>(isa, data, rows, acts, out));
     }
-    let t = x.len() / w.cols;
     if let Some(packed) = prepared.amx.as_ref().filter(|_| on_amx(isa, precision, &w, t)) {
         let end = rows.start + rows.len() / 32 * 32;
         if end > rows.start {
@@ -1467,6 +1491,44 @@ mod tests {
         matmul_scalar(m, &x, &mut a);
         crate::matvec::matvec_with(Isa::scalar(), m, &x, &mut b);
         assert_eq!(a, b);
+    }
+
+    /// A few tokens' integer products are each token's mat-vec, bit for
+    /// bit, on every tier: sequences decoded together get the numbers each
+    /// gets alone. Rows enough for several of the blocks the mat-vecs pass
+    /// over, and a ragged last one.
+    #[test]
+    fn a_few_tokens_integer_products_are_their_matvecs() {
+        let (rows, cols) = (1100, 512);
+        let w = synth(rows * cols, 7);
+        let (mut q8, mut q4) = (vec![BlockQ8::ZERO; w.len() / QK], vec![BlockQ4_0::ZERO; w.len() / QK]);
+        let mut q4x4 = vec![BlockQ4::ZERO; w.len() / (4 * QK)];
+        Int8::quantize_row(&w, &mut q8);
+        Q4_0::quantize_row(&w, &mut q4);
+        Int4::quantize_row(&w, &mut q4x4);
+        for weights in [Weights::Int8(&q8), Weights::Q4_0(&q4), Weights::Int4(&q4x4)] {
+            let m = MatRef::new(weights, rows, cols);
+            for t in [2, 3, 4, 9, 16] {
+                if t > few_int8_tokens(&m) {
+                    continue;
+                }
+                let x = synth(t * cols, t as u64);
+                for isa in Isa::supported().into_iter().filter(|&isa| fast_int8(isa, Precision::Fast, &m)) {
+                    let mut y = vec![f32::NAN; t * rows];
+                    matmul_with(isa, Precision::Fast, m, &x, &mut y);
+                    for i in 0..t {
+                        let mut alone = vec![f32::NAN; rows];
+                        crate::matvec::matvec_with(isa, m, &x[i * cols..(i + 1) * cols], &mut alone);
+                        assert_eq!(
+                            &y[i * rows..(i + 1) * rows],
+                            &alone[..],
+                            "{isa:?} {:?} t={t} token {i}",
+                            m.weights.ty()
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
