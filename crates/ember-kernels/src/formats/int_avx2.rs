@@ -306,9 +306,10 @@ pub mod x4 {
             pub mod $module {
                 use super::*;
 
-                /// Group `m` of `R` rows against the quad `q`.
-                #[inline]
-                #[target_feature(enable = $features)]
+                /// Group `m` of `R` rows against the quad `q`. Always
+                /// inlined (into [`steps`], whose features it then has):
+                /// Q5_0's four rows were a call per step otherwise.
+                #[inline(always)]
                 unsafe fn step<B: Group4, const R: usize>(
                     w: &[&[B]; R],
                     m: usize,
@@ -352,18 +353,35 @@ pub mod x4 {
                     }
                 }
 
-                /// The last group of rows whose sub-blocks are not a multiple
-                /// of four (ggml rows), padded with zeros, against `q`.
+                /// `R` rows over `groups` groups, `quad(m)` group `m`'s
+                /// activations. Rows whose sub-blocks are not a multiple of
+                /// four (ggml rows) end in a group padded with zeros. One
+                /// call of [`step`], so that it is inlined.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn tail<B: Group4, const R: usize>(w: &[&[B]; R], q: &BlockA8x4, acc: &mut [__m256; R]) {
-                    let whole = w[0].len() / B::BLOCKS * B::BLOCKS;
-                    let pads: [[B; 4]; R] = std::array::from_fn(|k| {
-                        let mut p = [B::ZERO; 4];
-                        p[..w[k].len() - whole].copy_from_slice(&w[k][whole..]);
-                        p
-                    });
-                    step(&std::array::from_fn(|k| &pads[k][..]), 0, q, acc);
+                unsafe fn steps<B: Group4, Q: std::borrow::Borrow<BlockA8x4>, const R: usize>(
+                    w: &[&[B]; R],
+                    groups: usize,
+                    quad: impl Fn(usize) -> Q,
+                ) -> [f32; R] {
+                    let whole = w[0].len() / B::BLOCKS;
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    let mut pads: Option<[[B; 4]; R]> = None;
+                    for m in 0..groups {
+                        let (rows, at) = if m < whole {
+                            (*w, m)
+                        } else {
+                            let p = pads.insert(std::array::from_fn(|k| {
+                                let mut p = [B::ZERO; 4];
+                                let rest = &w[k][whole * B::BLOCKS..];
+                                p[..rest.len()].copy_from_slice(rest);
+                                p
+                            }));
+                            (std::array::from_fn(|k| &p[k][..]), 0)
+                        };
+                        step(&rows, at, quad(m).borrow(), &mut acc);
+                    }
+                    acc.map(|v| hsum(v))
                 }
 
                 /// `R` rows against the same activations.
@@ -371,15 +389,7 @@ pub mod x4 {
                 #[target_feature(enable = $features)]
                 unsafe fn rows<B: Group4, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
                     debug_assert_eq!(x.len() * B::BLOCKS, 4 * w[0].len());
-                    let mut acc = [_mm256_setzero_ps(); R];
-                    let mut quads = x.chunks_exact(4);
-                    for (m, a4) in quads.by_ref().enumerate() {
-                        step(&w, m, &quad_at(a4), &mut acc);
-                    }
-                    if !quads.remainder().is_empty() {
-                        tail(&w, &quad_at(quads.remainder()), &mut acc);
-                    }
-                    acc.map(|v| hsum(v))
+                    steps(&w, x.len().div_ceil(4), |m| quad_at(&x[4 * m..x.len().min(4 * m + 4)]))
                 }
 
                 /// Four rows against the same activations.
@@ -392,16 +402,8 @@ pub mod x4 {
                 /// [`crate::formats::quads_of`]: [`rows4_x4`]'s bits.
                 #[target_feature(enable = $features)]
                 pub unsafe fn rows4_x4_quads<B: Group4>(w: [&[B]; 4], x: &[BlockA8x4]) -> [f32; 4] {
-                    let groups = w[0].len() / B::BLOCKS;
                     debug_assert_eq!(x.len(), (4 * w[0].len() / B::BLOCKS).div_ceil(4));
-                    let mut acc = [_mm256_setzero_ps(); 4];
-                    for (m, q) in x[..groups].iter().enumerate() {
-                        step(&w, m, q, &mut acc);
-                    }
-                    if let Some(q) = x.get(groups) {
-                        tail(&w, q, &mut acc);
-                    }
-                    acc.map(|v| hsum(v))
+                    steps(&w, x.len(), |m| x.get_unchecked(m))
                 }
 
                 /// One row.
