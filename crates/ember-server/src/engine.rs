@@ -21,7 +21,8 @@
 //! prefix of the prompt (the next turn of a conversation), copied up to the
 //! shared length otherwise (one system prompt, many conversations). Kept
 //! contexts are dropped least recently used first when the budget needs
-//! their room.
+//! their room, the one a waiting prompt would start from last: a job that
+//! fits only without it starts afresh rather than wait.
 //!
 //! **KV budget.** Every position of every cache, running or kept, counts
 //! against one budget in tokens. A running sequence reserves its prompt
@@ -241,23 +242,40 @@ impl Scheduler {
                 continue;
             }
             let need = self.need(job);
-            while self.used + need > self.limits.kv_budget {
-                // The kept context it would start from is not evicted for it
-                // (looked up again: an eviction moves the last entry).
+            // Make room, least recently used kept contexts first. The one it
+            // would start from goes last (looked up again each time: an
+            // eviction moves the last entry): starting afresh beats waiting
+            // for room that, with nothing running, nothing would return.
+            loop {
                 let source = self.best_prefix(&self.waiting[0].prompt);
-                if !self.evict_one(source.map(|(i, _)| i)) {
+                if self.fits(need, source) {
+                    break;
+                }
+                let evicted = self.evict_one(source.map(|(i, _)| i)) || (source.is_some() && self.evict_one(None));
+                if !evicted {
                     break;
                 }
             }
-            if self.used + need > self.limits.kv_budget {
+            let source = self.best_prefix(&self.waiting[0].prompt);
+            if !self.fits(need, source) {
                 // Wait for running sequences to finish (their room returns).
                 break;
             }
             let job = self.waiting.pop_front().expect("a front job");
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            let source = self.best_prefix(&job.prompt);
             self.start(job, need, source);
         }
+    }
+
+    /// Whether a job reserving `need` positions fits the budget now, starting
+    /// from `source` ([`Scheduler::best_prefix`]): a kept context it takes
+    /// over whole returns its positions as it starts ([`Scheduler::start`]).
+    fn fits(&self, need: usize, source: Option<(usize, usize)>) -> bool {
+        let returned = match source {
+            Some((i, n)) if n == self.kept[i].ctx.tokens().len() => n,
+            _ => 0,
+        };
+        self.used - returned + need <= self.limits.kv_budget
     }
 
     /// The kept context sharing the longest prefix with `prompt`, and that

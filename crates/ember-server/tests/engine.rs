@@ -10,7 +10,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 fn tiny() -> Arc<Model> {
-    Model::builder(concat!(env!("CARGO_MANIFEST_DIR"), "/../ember-model/testdata/tiny-chat")).threads(1).load().unwrap()
+    Model::builder(concat!(env!("CARGO_MANIFEST_DIR"), "/../ember-model/testdata/tiny-chat"))
+        .threads(1)
+        .precision(ember_model::Precision::Exact)
+        .load()
+        .unwrap()
 }
 
 /// Runs a job to its end: (tokens, cached prompt tokens).
@@ -67,4 +71,46 @@ fn a_small_budget_evicts_kept_prefixes_and_reuse_gives_the_same_tokens() {
     let (_, cached) = run(&engine, &model, &long, 4);
     assert!(cached >= model.encode(prompts[3]).unwrap().len() - 1);
     assert!(gauge(&metrics, "ember_kv_tokens_used") <= 128);
+}
+
+/// A job that fits the budget only without the kept context it shares a
+/// prefix with starts afresh, rather than waiting for room that nothing
+/// running would return (it once waited forever).
+#[test]
+fn a_job_needing_the_room_of_its_own_prefix_starts_afresh() {
+    let model = tiny();
+    let metrics = Arc::new(Metrics::new());
+    let limits = Limits { parallel: 1, context: 64, kv_budget: 64, prefill_chunk: 8 };
+    let engine = Engine::start(Arc::clone(&model), limits, Arc::clone(&metrics));
+    let prompt = "once upon a time there";
+    let (short, _) = run(&engine, &model, prompt, 20);
+    assert_eq!(gauge(&metrics, "ember_kept_sequences"), 1);
+    // The same prompt with room for 60 more tokens needs the whole budget:
+    // the kept context (its prefix's source) must go.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let options =
+        GenerateOptions { max_tokens: 60, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
+    let ids = model.encode(prompt).unwrap();
+    assert!(ids.len() + 60 > 64, "the job needs the whole budget");
+    let job = Job { id: "long".into(), prompt: ids, options, events: tx, arrived: Instant::now() };
+    assert!(engine.submit(job, 16).is_ok());
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    let mut got = Vec::new();
+    let finish = loop {
+        match rx.try_recv() {
+            Ok(Event::Token(t)) => got.push(t.id),
+            Ok(Event::Done(f)) => break f,
+            Err(_) => {
+                assert!(Instant::now() < deadline, "the job was never started");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+    };
+    assert!(finish.error.is_none(), "{finish:?}");
+    assert_eq!(finish.cached_tokens, 0);
+    // 60 tokens: the last is sampled from the 64th position, never stored.
+    assert_eq!(got.len(), 60);
+    // Greedy: the same start as the shorter run.
+    assert_eq!(got[..short.len()], short[..]);
+    assert!(gauge(&metrics, "ember_kv_tokens_used") <= 64);
 }

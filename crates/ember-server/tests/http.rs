@@ -15,8 +15,29 @@ fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../ember-model/testdata/tiny-chat")
 }
 
+/// The tiny model with room for 4096 positions (the fixture has 256): a
+/// copy whose config says so, for generations long enough to outlast what
+/// a test does while they run.
+fn long_tiny() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ember-http-tiny-4096-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(tiny()).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, dir.join(from.file_name().unwrap())).unwrap();
+    }
+    let mut config: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = json!(4096);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
 /// Starts a server on a free port (it lives until the test process ends).
 fn start(parallel: usize, context: usize, max_queue: usize, key: Option<&str>) -> SocketAddr {
+    start_model(tiny(), parallel, context, max_queue, key)
+}
+
+/// [`start`] with the model in `dir`.
+fn start_model(dir: PathBuf, parallel: usize, context: usize, max_queue: usize, key: Option<&str>) -> SocketAddr {
     let config = ember_server::Config {
         addr: "127.0.0.1:0".parse().unwrap(),
         model_id: "tiny".into(),
@@ -33,7 +54,7 @@ fn start(parallel: usize, context: usize, max_queue: usize, key: Option<&str>) -
     std::thread::spawn(move || {
         ember_server::serve(
             config,
-            || Ok(Model::builder(tiny()).threads(1).load()?),
+            move || Ok(Model::builder(&dir).threads(1).load()?),
             move |addr| tx.send(addr).unwrap(),
         )
         .unwrap()
@@ -248,10 +269,11 @@ fn streams_equal_whole_replies_and_prefixes_are_reused() {
 
 #[test]
 fn a_full_queue_refuses_with_retry_after_and_leaving_clients_are_cancelled() {
-    // The tiny model's context is 256 positions: this prompt's reply fills
-    // it (about 230 tokens, tens of milliseconds), while the requests all
-    // arrive within a few.
-    let a = start(1, 512, 1, None);
+    // 4096 positions of the tiny model: a reply of 400 tokens takes tens of
+    // milliseconds, while the requests all arrive within a few. (In 256
+    // positions, the fixture's, the client leaving below raced the end of
+    // a 230-token reply, a few milliseconds, and now and then lost.)
+    let a = start_model(long_tiny(), 1, 4096, 1, None);
     let slow = chat("tell me a long story .", 400);
     // One runs, one waits, the others are refused.
     let handles: Vec<_> = (0..12)
@@ -270,8 +292,9 @@ fn a_full_queue_refuses_with_retry_after_and_leaving_clients_are_cancelled() {
     assert!(results.iter().all(|(s, _)| *s == 200 || *s == 503), "{results:?}");
 
     // A streaming client that leaves after the first event: its sequence
-    // is cancelled, and the slot serves the next request.
-    let mut body = slow.clone();
+    // (4000 tokens, far longer than the server needs to notice) is
+    // cancelled, and the slot serves the next request.
+    let mut body = chat("tell me a long story .", 4000);
     body["stream"] = json!(true);
     let text = body.to_string();
     let mut s = TcpStream::connect(a).unwrap();
@@ -282,7 +305,11 @@ fn a_full_queue_refuses_with_retry_after_and_leaving_clients_are_cancelled() {
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(30);
     while !get(a, "/metrics", None).2.contains("ember_cancelled_total 1") {
-        assert!(Instant::now() < deadline, "the abandoned generation was not cancelled");
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned generation was not cancelled: {}",
+            get(a, "/metrics", None).2
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let (status, _, reply) = post(a, "/v1/chat/completions", None, &chat("hello !", 2));
