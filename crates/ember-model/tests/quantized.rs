@@ -317,9 +317,14 @@ fn bad_quantized_files_are_clear_errors() {
 
 #[test]
 fn every_position_logits_match_transformers() {
+    // Parity with transformers is the exact precision's bar. The fast one
+    // (a batch's activations rounded to BF16 where the CPU has BF16 dot
+    // products) has its own, on the real model (`cargo xtask parity`):
+    // here its rounding puts a random 3-layer model's logits up to 0.1 off.
     for variant in VARIANTS {
         let r = reference(variant);
-        let model = load_qwen2(&fixtures().join(variant)).unwrap();
+        let mut model = load_qwen2(&fixtures().join(variant)).unwrap();
+        model.precision = Precision::Exact;
         let v = model.config.vocab_size;
         let from = 3;
         let mut state = model.new_state(64);

@@ -7,7 +7,7 @@ mod common;
 
 use common::{reference, tiny_model};
 use ember_model::advanced::{load_qwen2, step, BatchToken, Context, Decoding, Scratch};
-use ember_model::{Error, GenerateOptions, Model, SamplerConfig};
+use ember_model::{Error, GenerateOptions, Model, Precision, SamplerConfig};
 
 const VARIANTS: [&str; 3] = ["tiny-tied", "tiny-untied", "tiny-f16"];
 
@@ -19,40 +19,50 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// batch, give each the logits it gets alone.
 #[test]
 fn mixed_batches_equal_sequences_alone() {
-    for variant in VARIANTS {
-        let r = reference(variant);
-        let model = load_qwen2(&common::fixtures().join(variant)).unwrap();
-        let ids = &r.ids;
-        let (a, b) = (&ids[..3], &ids[3..]);
-        // Alone: sequence 0 runs `ids` in two blocks; sequence 1 runs `b` then
-        // `a[..1]` token by token.
-        let mut alone0 = model.new_state(64);
-        alone0.run(&model, a, false).unwrap();
-        let want0 = alone0.run(&model, b, true).unwrap().unwrap().to_vec();
-        let mut alone1 = model.new_state(64);
-        alone1.run(&model, b, false).unwrap();
-        let want1 = alone1.run(&model, &a[..1], true).unwrap().unwrap().to_vec();
+    // Exact: f32-class. Fast: within its bar (0.1), where a CPU with BF16
+    // dot products rounds a batch's activations to BF16 (a sequence alone
+    // runs its single tokens as exact mat-vecs).
+    for (precision, fast_bar) in [(Precision::Exact, None), (Precision::Fast, Some(0.1f32))] {
+        for variant in VARIANTS {
+            let r = reference(variant);
+            let mut model = load_qwen2(&common::fixtures().join(variant)).unwrap();
+            model.precision = precision;
+            let ids = &r.ids;
+            let (a, b) = (&ids[..3], &ids[3..]);
+            // Alone: sequence 0 runs `ids` in two blocks; sequence 1 runs `b` then
+            // `a[..1]` token by token.
+            let mut alone0 = model.new_state(64);
+            alone0.run(&model, a, false).unwrap();
+            let want0 = alone0.run(&model, b, true).unwrap().unwrap().to_vec();
+            let mut alone1 = model.new_state(64);
+            alone1.run(&model, b, false).unwrap();
+            let want1 = alone1.run(&model, &a[..1], true).unwrap().unwrap().to_vec();
 
-        // Together: first sequence 0's block `a` with sequence 1's prompt `b`
-        // (two runs in one batch), then `b` for 0 with the single `a[0]` for 1.
-        let (mut c0, mut c1) = (model.new_cache(64), model.new_cache(64));
-        let mut scratch = Scratch::default();
-        let mut batch: Vec<BatchToken> =
-            a.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 0, pos: i, logits: false }).collect();
-        batch.extend(b.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 1, pos: i, logits: false }));
-        let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
-        assert!(out.is_empty());
-        let mut batch: Vec<BatchToken> =
-            b.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 0, pos: 3 + i, logits: false }).collect();
-        batch.last_mut().unwrap().logits = true;
-        batch.push(BatchToken { token: a[0], seq: 1, pos: b.len(), logits: true });
-        let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
-        let v = model.config.vocab_size;
-        assert_eq!(out.len(), 2 * v);
-        let scale = want0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(max_diff(&out[..v], &want0) <= 1e-5 * scale, "{variant}: sequence 0");
-        assert!(max_diff(&out[v..], &want1) <= 1e-5 * scale, "{variant}: sequence 1");
-        assert_eq!((c0.len(), c1.len()), (ids.len(), b.len() + 1));
+            // Together: first sequence 0's block `a` with sequence 1's prompt `b`
+            // (two runs in one batch), then `b` for 0 with the single `a[0]` for 1.
+            let (mut c0, mut c1) = (model.new_cache(64), model.new_cache(64));
+            let mut scratch = Scratch::default();
+            let mut batch: Vec<BatchToken> =
+                a.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 0, pos: i, logits: false }).collect();
+            batch.extend(b.iter().enumerate().map(|(i, &token)| BatchToken { token, seq: 1, pos: i, logits: false }));
+            let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
+            assert!(out.is_empty());
+            let mut batch: Vec<BatchToken> = b
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| BatchToken { token, seq: 0, pos: 3 + i, logits: false })
+                .collect();
+            batch.last_mut().unwrap().logits = true;
+            batch.push(BatchToken { token: a[0], seq: 1, pos: b.len(), logits: true });
+            let out = model.forward(&batch, &mut [&mut c0, &mut c1], &mut scratch).unwrap();
+            let v = model.config.vocab_size;
+            assert_eq!(out.len(), 2 * v);
+            let scale = want0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let bar = fast_bar.unwrap_or(1e-5 * scale);
+            assert!(max_diff(&out[..v], &want0) <= bar, "{variant} {precision:?}: sequence 0");
+            assert!(max_diff(&out[v..], &want1) <= bar, "{variant} {precision:?}: sequence 1");
+            assert_eq!((c0.len(), c1.len()), (ids.len(), b.len() + 1));
+        }
     }
 }
 
