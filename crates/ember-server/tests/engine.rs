@@ -25,14 +25,21 @@ fn run(engine: &Engine, model: &Model, text: &str, max_tokens: usize) -> (Vec<u3
     let job = Job { id: "t".into(), prompt: model.encode(text).unwrap(), options, events: tx, arrived: Instant::now() };
     assert!(engine.submit(job, 16).is_ok());
     let mut ids = Vec::new();
+    // A deadline, not a blocking wait: a job the scheduler never starts fails.
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        match rx.blocking_recv().expect("the scheduler answers") {
-            Event::Token(t) => ids.push(t.id),
-            Event::Done(f) => {
+        match rx.try_recv() {
+            Ok(Event::Token(t)) => ids.push(t.id),
+            Ok(Event::Done(f)) => {
                 assert!(f.error.is_none(), "{f:?}");
                 assert_eq!(f.completion_tokens, ids.len());
                 return (ids, f.cached_tokens);
             }
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "the job was never finished");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Err(e) => panic!("the scheduler dropped the job: {e}"),
         }
     }
 }
@@ -92,27 +99,9 @@ fn a_job_needing_the_room_of_its_own_prefix_starts_afresh() {
     }
     // The same prompt with room for 60 more tokens needs the whole budget:
     // the kept context (its prefix's source) must go.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let options =
-        GenerateOptions { max_tokens: 60, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
-    let ids = model.encode(prompt).unwrap();
-    assert!(ids.len() + 60 > 64, "the job needs the whole budget");
-    let job = Job { id: "long".into(), prompt: ids, options, events: tx, arrived: Instant::now() };
-    assert!(engine.submit(job, 16).is_ok());
-    let deadline = Instant::now() + std::time::Duration::from_secs(30);
-    let mut got = Vec::new();
-    let finish = loop {
-        match rx.try_recv() {
-            Ok(Event::Token(t)) => got.push(t.id),
-            Ok(Event::Done(f)) => break f,
-            Err(_) => {
-                assert!(Instant::now() < deadline, "the job was never started");
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-        }
-    };
-    assert!(finish.error.is_none(), "{finish:?}");
-    assert_eq!(finish.cached_tokens, 0);
+    assert!(model.encode(prompt).unwrap().len() + 60 > 64, "the job needs the whole budget");
+    let (got, cached) = run(&engine, &model, prompt, 60);
+    assert_eq!(cached, 0);
     // 60 tokens: the last is sampled from the 64th position, never stored.
     assert_eq!(got.len(), 60);
     // Greedy: the same start as the shorter run.

@@ -212,11 +212,36 @@ macro_rules! nibble_group {
 nibble_group!(BlockQ4);
 nibble_group!(super::BlockQ5);
 
-/// The scales of four ggml blocks as [`Group4::scales`] has them.
-#[inline(always)]
-pub(crate) fn ggml_scales(d: [half::f16; 4]) -> u64 {
-    d.iter().enumerate().fold(0, |a, (b, d)| a | (d.to_bits() as u64) << (16 * b))
+/// Four consecutive ggml blocks (`d`, `qs` and, for five bits, `qh`) as a
+/// group: their scales gathered, their nibbles two runs of 16 bytes, their
+/// fifth bits by `fifth`.
+macro_rules! ggml_group {
+    ($block:ty, $offset:literal, |$g:ident, $r:ident| $fifth:expr) => {
+        impl Group4 for $block {
+            const OFFSET: i32 = $offset;
+            const BLOCKS: usize = 4;
+            const ZERO: Self = <$block>::ZERO;
+            #[inline(always)]
+            unsafe fn scales(g: *const Self) -> u64 {
+                (0..4).fold(0, |a, b| a | ((*g.add(b)).d.to_bits() as u64) << (16 * b))
+            }
+            #[inline(always)]
+            unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
+                [(*g.add(2 * r)).qs.as_ptr(), (*g.add(2 * r + 1)).qs.as_ptr()]
+            }
+            #[inline(always)]
+            unsafe fn fifth($g: *const Self, $r: usize) -> Option<[u32; 2]> {
+                $fifth
+            }
+        }
+    };
 }
+ggml_group!(super::BlockQ4_0, 8, |_g, _r| None);
+// A block's bit j is weight j's: its low 16 bits go with the low nibbles.
+ggml_group!(super::BlockQ5_0, 16, |g, r| {
+    let (a, b) = (u32::from_le_bytes((*g.add(2 * r)).qh), u32::from_le_bytes((*g.add(2 * r + 1)).qh));
+    Some([(a & 0xffff) | (b << 16), (a >> 16) | (b & 0xffff_0000)])
+});
 
 /// The INT4 row of the format table.
 pub struct Int4;

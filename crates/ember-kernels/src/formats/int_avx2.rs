@@ -261,7 +261,7 @@ pub unsafe fn quantize_activations_k(x: &[f32], dst: &mut [BlockA8K]) {
 /// are gathered by the integer unit (idle here) and widened in one
 /// conversion, where converting and spreading each row's pair took six or
 /// seven vector operations, most of them shuffles. Used by the AVX-512
-/// INT8 kernel (and once by the AVX2 Q4_0 one). Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
+/// INT8 kernel. Same bits; on Zen 3 (INT4, one thread, 896 × 896 in
 /// L2, both kernels alternated in one process, 200 rounds) 3-6% faster at
 /// the median: 9.1 → 9.4 and 9.4 → 9.7 GB/s, the kernel staying
 /// compute-bound at about 10 cycles per row and pair of blocks, with the

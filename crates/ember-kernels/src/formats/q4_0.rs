@@ -10,11 +10,10 @@
 //! blocks at a time laid out for its kernels; ember writes INT4 matrices to
 //! GGUF files as Q4_0 ([`super::BlockQ4::to_q4_0`]). Its kernels take
 //! INT4's step from four blocks at a time (`int_avx512`, and `int_avx2::x4`
-//! through [`Group4`]), so a Q4_0 row gives the bits of the INT4 row of the
+//! through `Group4`), so a Q4_0 row gives the bits of the INT4 row of the
 //! same numbers on every tier.
 
 use super::act::{BlockA8, QK_A8};
-use super::int4::{ggml_scales, Group4};
 use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
@@ -57,24 +56,6 @@ pub(crate) fn codes4(qs: &[u8; QK / 2]) -> [u8; QK] {
 /// Packs 32 four-bit codes into Q4_0's 16 bytes.
 pub(crate) fn pack4(c: &[u8; QK]) -> [u8; QK / 2] {
     std::array::from_fn(|i| (c[i] & 15) | ((c[i + QK / 2] & 15) << 4))
-}
-
-impl Group4 for BlockQ4_0 {
-    const OFFSET: i32 = 8;
-    const BLOCKS: usize = 4;
-    const ZERO: Self = BlockQ4_0::ZERO;
-    #[inline(always)]
-    unsafe fn scales(g: *const Self) -> u64 {
-        ggml_scales(std::array::from_fn(|b| (*g.add(b)).d))
-    }
-    #[inline(always)]
-    unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
-        [(*g.add(2 * r)).qs.as_ptr(), (*g.add(2 * r + 1)).qs.as_ptr()]
-    }
-    #[inline(always)]
-    unsafe fn fifth(_: *const Self, _: usize) -> Option<[u32; 2]> {
-        None
-    }
 }
 
 /// The Q4_0 row of the format table.

@@ -9,7 +9,6 @@
 //! products of prefill ([`crate::gemm_int8`]) take it as they take INT4.
 
 use super::act::{BlockA8, QK_A8};
-use super::int4::{ggml_scales, Group4};
 use super::{reference_kernels, Codes, Format, Kernels, WeightType, Weights};
 use crate::cpu::Tier;
 use half::f16;
@@ -50,26 +49,6 @@ pub(crate) fn codes5(qh: [u8; 4], qs: &[u8; QK / 2]) -> [u8; QK] {
 pub(crate) fn pack5(c: &[u8; QK]) -> ([u8; 4], [u8; QK / 2]) {
     let h = c.iter().enumerate().fold(0u32, |h, (j, &v)| h | (((v >> 4) as u32 & 1) << j));
     (h.to_le_bytes(), std::array::from_fn(|i| (c[i] & 15) | ((c[i + QK / 2] & 15) << 4)))
-}
-
-impl Group4 for BlockQ5_0 {
-    const OFFSET: i32 = 16;
-    const BLOCKS: usize = 4;
-    const ZERO: Self = BlockQ5_0::ZERO;
-    #[inline(always)]
-    unsafe fn scales(g: *const Self) -> u64 {
-        ggml_scales(std::array::from_fn(|b| (*g.add(b)).d))
-    }
-    #[inline(always)]
-    unsafe fn nibbles(g: *const Self, r: usize) -> [*const u8; 2] {
-        [(*g.add(2 * r)).qs.as_ptr(), (*g.add(2 * r + 1)).qs.as_ptr()]
-    }
-    #[inline(always)]
-    unsafe fn fifth(g: *const Self, r: usize) -> Option<[u32; 2]> {
-        // A block's bit j is weight j's: its low 16 bits go with the low nibbles.
-        let (a, b) = (u32::from_le_bytes((*g.add(2 * r)).qh), u32::from_le_bytes((*g.add(2 * r + 1)).qh));
-        Some([(a & 0xffff) | (b << 16), (a >> 16) | (b & 0xffff_0000)])
-    }
 }
 
 /// The Q5_0 row of the format table.
