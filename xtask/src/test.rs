@@ -5,7 +5,9 @@
 //!    against the reference sums;
 //! 2. `cargo test --workspace` once per instruction-set tier the CPU supports
 //!    (`EMBER_ISA=scalar`, `avx2`, ...; tiers the CPU lacks are skipped and
-//!    said so), so every SIMD kernel and the whole model run under each;
+//!    said so), so every SIMD kernel and the whole model run under each,
+//!    and the kernel tests once more under the other prefetch policy
+//!    (`EMBER_PREFETCH`, see `ember_kernels::cpu::software_prefetch`);
 //!    then `cargo xtask fuzz --cases 3000 --debug`: every fuzz target a few
 //!    thousand cases (in the test profile just built: about a minute);
 //! 3. `cargo rustdoc -- -D missing-docs -D warnings` on the three library
@@ -46,6 +48,20 @@ pub fn run(args: &[String]) -> Result<()> {
         if !status.success() {
             bail!("cargo test --workspace failed with EMBER_ISA={tier}");
         }
+    }
+    // The decode kernels prefetch their row streams or leave them to the
+    // hardware, by CPU vendor: the kernel tests once more under the policy
+    // this CPU does not take, so both variants run on every machine.
+    let other = if ember_kernels::cpu::software_prefetch() { "off" } else { "on" };
+    eprintln!("xtask test: cargo test -p ember-kernels with EMBER_PREFETCH={other} (the other prefetch policy)");
+    let status = Command::new(&cargo)
+        .current_dir(crate::root())
+        .args(["test", "-p", "ember-kernels"])
+        .env("EMBER_PREFETCH", other)
+        .status()
+        .context("running cargo test")?;
+    if !status.success() {
+        bail!("cargo test -p ember-kernels failed with EMBER_PREFETCH={other}");
     }
     eprintln!("xtask test: the fuzz targets, 3000 cases each (`cargo xtask fuzz` runs longer)");
     crate::fuzz::run(&["--cases".into(), "3000".into(), "--debug".into()])?;

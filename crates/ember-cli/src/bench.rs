@@ -362,6 +362,11 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
     if let Some(r) = rows.first() {
         let dot = if ember_kernels::gemm_bf16::pays_off() { "used" } else { "not used (slower than f32 FMA here)" };
         println!("kernel tier: {}, precision of batched products: {}, BF16 dot products: {dot}", r.isa, r.precision);
+        let ahead = match ember_kernels::cpu::software_prefetch() {
+            true => "software prefetches ahead of each row stream",
+            false => "the hardware prefetchers only",
+        };
+        println!("decoding's weight streams: {ahead} (EMBER_PREFETCH=on|off to choose)");
     }
     println!(
         "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",

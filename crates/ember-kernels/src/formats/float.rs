@@ -225,47 +225,57 @@ pub(crate) mod avx2 {
             /// Each x vector is loaded once for four rows, and when the rows
             /// come from four distant parts of a matrix, four independent
             /// memory streams are in flight, each prefetched ahead (the rows
-            /// that follow a row in its stream are the next ones read).
+            /// that follow a row in its stream are the next ones read) on
+            /// CPUs where that pays ([`crate::cpu::software_prefetch`]).
             #[target_feature(enable = $features)]
             pub unsafe fn $name(w: [&[$t]; 4], x: &[f32]) -> [f32; 4] {
-                let cols = x.len();
-                debug_assert!(w.iter().all(|r| r.len() == cols));
-                let xp = x.as_ptr();
-                let r = w.map(|row| row.as_ptr());
-                let mut acc = [_mm256_setzero_ps(); 8];
-                let mut i = 0;
-                let bytes = std::mem::size_of::<$t>();
-                while i + 16 <= cols {
-                    let x0 = _mm256_loadu_ps(xp.add(i));
-                    let x1 = _mm256_loadu_ps(xp.add(i + 8));
-                    for k in 0..4 {
-                        // A prefetch is only a hint: past the end of the data
-                        // it is harmless. One per cache line.
-                        if (i * bytes) % 64 == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>((r[k] as *const i8).wrapping_add(i * bytes + PREFETCH_AHEAD));
+                #[target_feature(enable = $features)]
+                unsafe fn rows<const PREFETCH: bool>(w: [&[$t]; 4], x: &[f32]) -> [f32; 4] {
+                    let cols = x.len();
+                    debug_assert!(w.iter().all(|r| r.len() == cols));
+                    let xp = x.as_ptr();
+                    let r = w.map(|row| row.as_ptr());
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    let mut i = 0;
+                    let bytes = std::mem::size_of::<$t>();
+                    while i + 16 <= cols {
+                        let x0 = _mm256_loadu_ps(xp.add(i));
+                        let x1 = _mm256_loadu_ps(xp.add(i + 8));
+                        for k in 0..4 {
+                            // A prefetch is only a hint: past the end of the data
+                            // it is harmless. One per cache line.
+                            if PREFETCH && (i * bytes) % 64 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    (r[k] as *const i8).wrapping_add(i * bytes + PREFETCH_AHEAD),
+                                );
+                            }
+                            acc[2 * k] = _mm256_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
+                            acc[2 * k + 1] = _mm256_fmadd_ps($load(r[k].add(i + 8)), x1, acc[2 * k + 1]);
                         }
-                        acc[2 * k] = _mm256_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
-                        acc[2 * k + 1] = _mm256_fmadd_ps($load(r[k].add(i + 8)), x1, acc[2 * k + 1]);
+                        i += 16;
                     }
-                    i += 16;
-                }
-                while i + 8 <= cols {
-                    let x0 = _mm256_loadu_ps(xp.add(i));
+                    while i + 8 <= cols {
+                        let x0 = _mm256_loadu_ps(xp.add(i));
+                        for k in 0..4 {
+                            acc[2 * k] = _mm256_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
+                        }
+                        i += 8;
+                    }
+                    let widen = $widen;
+                    let mut y = [0.0f32; 4];
                     for k in 0..4 {
-                        acc[2 * k] = _mm256_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
+                        let mut s = hsum(_mm256_add_ps(acc[2 * k], acc[2 * k + 1]));
+                        for j in i..cols {
+                            s += widen(w[k][j]) * x[j];
+                        }
+                        y[k] = s;
                     }
-                    i += 8;
+                    y
                 }
-                let widen = $widen;
-                let mut y = [0.0f32; 4];
-                for k in 0..4 {
-                    let mut s = hsum(_mm256_add_ps(acc[2 * k], acc[2 * k + 1]));
-                    for j in i..cols {
-                        s += widen(w[k][j]) * x[j];
-                    }
-                    y[k] = s;
+                match crate::cpu::software_prefetch() {
+                    true => rows::<true>(w, x),
+                    false => rows::<false>(w, x),
                 }
-                y
             }
         };
     }
@@ -310,38 +320,50 @@ pub(crate) mod avx512 {
         ($name:ident, $t:ty, $load:ident, $widen:expr) => {
             /// Four dot products at once, as the AVX2 kernel of the same
             /// name: rows from four distant parts of a matrix, four memory
-            /// streams, each prefetched ahead; 32 columns per step.
+            /// streams, each prefetched ahead where that pays; 32 columns
+            /// per step.
             #[target_feature(enable = "avx512f")]
             pub unsafe fn $name(w: [&[$t]; 4], x: &[f32]) -> [f32; 4] {
-                let cols = x.len();
-                debug_assert!(w.iter().all(|r| r.len() == cols));
-                let xp = x.as_ptr();
-                let r = w.map(|row| row.as_ptr());
-                let bytes = std::mem::size_of::<$t>();
-                let mut acc = [_mm512_setzero_ps(); 8];
-                let mut i = 0;
-                while i + 32 <= cols {
-                    let x0 = _mm512_loadu_ps(xp.add(i));
-                    let x1 = _mm512_loadu_ps(xp.add(i + 16));
-                    for k in 0..4 {
-                        // A prefetch is only a hint: past the end of the data
-                        // it is harmless.
-                        _mm_prefetch::<_MM_HINT_T0>((r[k] as *const i8).wrapping_add(i * bytes + PREFETCH_AHEAD));
-                        acc[2 * k] = _mm512_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
-                        acc[2 * k + 1] = _mm512_fmadd_ps($load(r[k].add(i + 16)), x1, acc[2 * k + 1]);
+                #[target_feature(enable = "avx512f")]
+                unsafe fn rows<const PREFETCH: bool>(w: [&[$t]; 4], x: &[f32]) -> [f32; 4] {
+                    let cols = x.len();
+                    debug_assert!(w.iter().all(|r| r.len() == cols));
+                    let xp = x.as_ptr();
+                    let r = w.map(|row| row.as_ptr());
+                    let bytes = std::mem::size_of::<$t>();
+                    let mut acc = [_mm512_setzero_ps(); 8];
+                    let mut i = 0;
+                    while i + 32 <= cols {
+                        let x0 = _mm512_loadu_ps(xp.add(i));
+                        let x1 = _mm512_loadu_ps(xp.add(i + 16));
+                        for k in 0..4 {
+                            // A prefetch is only a hint: past the end of the data
+                            // it is harmless.
+                            if PREFETCH {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    (r[k] as *const i8).wrapping_add(i * bytes + PREFETCH_AHEAD),
+                                );
+                            }
+                            acc[2 * k] = _mm512_fmadd_ps($load(r[k].add(i)), x0, acc[2 * k]);
+                            acc[2 * k + 1] = _mm512_fmadd_ps($load(r[k].add(i + 16)), x1, acc[2 * k + 1]);
+                        }
+                        i += 32;
                     }
-                    i += 32;
-                }
-                let widen = $widen;
-                let mut y = [0.0f32; 4];
-                for (k, yk) in y.iter_mut().enumerate() {
-                    let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * k], acc[2 * k + 1]));
-                    for j in i..cols {
-                        s += widen(w[k][j]) * x[j];
+                    let widen = $widen;
+                    let mut y = [0.0f32; 4];
+                    for (k, yk) in y.iter_mut().enumerate() {
+                        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * k], acc[2 * k + 1]));
+                        for j in i..cols {
+                            s += widen(w[k][j]) * x[j];
+                        }
+                        *yk = s;
                     }
-                    *yk = s;
+                    y
                 }
-                y
+                match crate::cpu::software_prefetch() {
+                    true => rows::<true>(w, x),
+                    false => rows::<false>(w, x),
+                }
             }
         };
     }

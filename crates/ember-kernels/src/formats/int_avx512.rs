@@ -288,6 +288,7 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             unsafe fn rows_q4_0<const R: usize>(w: [&[BlockQ4_0]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = x.len();
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 let nibble = _mm512_set1_epi8(15);
                 let mut i = 0;
@@ -301,6 +302,7 @@ macro_rules! kernels {
                             prefetch_step(
                                 blocks[0] as *const BlockQ4_0 as *const u8,
                                 4 * std::mem::size_of::<BlockQ4_0>(),
+                                ahead,
                             );
                         }
                         let bytes = qs4(blocks);
@@ -334,6 +336,7 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             unsafe fn rows_q4_0_quads<const R: usize>(w: [&[BlockQ4_0]; R], x: &[BlockA8x4]) -> [f32; R] {
                 let n = w[0].len();
+                let ahead = crate::cpu::software_prefetch();
                 debug_assert_eq!(x.len(), n.div_ceil(4));
                 let mut acc = [_mm512_setzero_ps(); R];
                 let nibble = _mm512_set1_epi8(15);
@@ -354,7 +357,11 @@ macro_rules! kernels {
                     for k in 0..R {
                         let row = w[k];
                         let blocks = b.map(|j| row.get_unchecked(j));
-                        prefetch_step(blocks[0] as *const BlockQ4_0 as *const u8, 4 * std::mem::size_of::<BlockQ4_0>());
+                        prefetch_step(
+                            blocks[0] as *const BlockQ4_0 as *const u8,
+                            4 * std::mem::size_of::<BlockQ4_0>(),
+                            ahead,
+                        );
                         let bytes = qs4(blocks);
                         let lo = _mm512_and_si512(bytes, nibble);
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
@@ -387,6 +394,7 @@ macro_rules! kernels {
                 (xlo, xhi, start, dx16): (__m512i, __m512i, __m512i, __m512),
                 c: &Q5Consts,
                 acc: &mut [__m512; R],
+                ahead: bool,
             ) {
                 let nibble = _mm512_set1_epi8(15);
                 let sixteen = _mm512_set1_epi8(16);
@@ -401,7 +409,7 @@ macro_rules! kernels {
                     let row = w[k];
                     let blocks = b.map(|j| row.get_unchecked(j));
                     let at = blocks[0] as *const BlockQ5_0 as *const u8;
-                    prefetch_step(at, 4 * std::mem::size_of::<BlockQ5_0>());
+                    prefetch_step(at, 4 * std::mem::size_of::<BlockQ5_0>(), ahead);
                     let (heads, bytes) = if whole {
                         let (first, last) =
                             (_mm512_loadu_si512(at as *const _), _mm512_loadu_si512(at.add(24) as *const _));
@@ -436,13 +444,14 @@ macro_rules! kernels {
             unsafe fn rows_q5<const R: usize>(w: [&[BlockQ5_0]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = x.len();
                 let c = q5_consts();
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 let mut i = 0;
                 while i < n {
                     let q = quad(x, i);
                     let dx16 = spread4(q.d);
                     let b = step_blocks(i, n);
-                    step_q5(&w, b, (q.lo, q.hi, q.start, dx16), &c, &mut acc);
+                    step_q5(&w, b, (q.lo, q.hi, q.start, dx16), &c, &mut acc, ahead);
                     i += 4;
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
@@ -456,6 +465,7 @@ macro_rules! kernels {
                 let n = w[0].len();
                 debug_assert_eq!(x.len(), n.div_ceil(4));
                 let c = q5_consts();
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 for (m, q) in x.iter().enumerate() {
                     let i = 4 * m;
@@ -464,7 +474,7 @@ macro_rules! kernels {
                     let start = _mm512_load_si512(q.start.as_ptr() as *const _);
                     let dx16 = spread4(_mm_loadu_ps(q.d.as_ptr()));
                     let b = step_blocks(i, n);
-                    step_q5(&w, b, (xlo, xhi, start, dx16), &c, &mut acc);
+                    step_q5(&w, b, (xlo, xhi, start, dx16), &c, &mut acc, ahead);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
@@ -485,13 +495,14 @@ macro_rules! kernels {
                 m: usize,
                 (xlo, xhi, start, dx): (__m512i, __m512i, __m512i, __m128),
                 acc: &mut [__m512; R],
+                ahead: bool,
             ) {
                 let nibble = _mm512_set1_epi8(15);
                 let sixteen = _mm512_set1_epi8(16);
                 let start = if B::OFFSET == 16 { _mm512_add_epi32(start, start) } else { start };
                 for k in 0..R {
                     let b = w[k].get_unchecked(m);
-                    prefetch_step(b as *const B as *const u8, std::mem::size_of::<B>());
+                    prefetch_step(b as *const B as *const u8, std::mem::size_of::<B>(), ahead);
                     let bytes = _mm512_loadu_si512(b.nibbles().as_ptr() as *const _);
                     let mut lo = _mm512_and_si512(bytes, nibble);
                     let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibble);
@@ -514,10 +525,11 @@ macro_rules! kernels {
             unsafe fn rows_x4<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
                 let n = w[0].len();
                 debug_assert_eq!(x.len(), 4 * n);
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 for m in 0..n {
                     let q = quad(x, 4 * m);
-                    step_x4(&w, m, (q.lo, q.hi, q.start, q.d), &mut acc);
+                    step_x4(&w, m, (q.lo, q.hi, q.start, q.d), &mut acc, ahead);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
@@ -528,12 +540,13 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             unsafe fn rows_x4_quads<B: NibbleBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8x4]) -> [f32; R] {
                 debug_assert_eq!(x.len(), w[0].len());
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 for (m, q) in x.iter().enumerate() {
                     let (xlo, xhi) =
                         (_mm512_load_si512(q.lo.as_ptr() as *const _), _mm512_load_si512(q.hi.as_ptr() as *const _));
                     let start = _mm512_load_si512(q.start.as_ptr() as *const _);
-                    step_x4(&w, m, (xlo, xhi, start, _mm_loadu_ps(q.d.as_ptr())), &mut acc);
+                    step_x4(&w, m, (xlo, xhi, start, _mm_loadu_ps(q.d.as_ptr())), &mut acc, ahead);
                 }
                 acc.map(|v| _mm512_reduce_add_ps(v))
             }
@@ -622,6 +635,7 @@ pub mod vnni8 {
     unsafe fn rows_q8<const R: usize>(w: [&[BlockQ8]; R], x: &[BlockA8]) -> [f32; R] {
         const { assert!(R <= 4, "scale_pairs() packs 4 rows' F16 scales in 64 bits") };
         let n = x.len();
+        let ahead = crate::cpu::software_prefetch();
         let mut acc = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i < n {
@@ -630,7 +644,7 @@ pub mod vnni8 {
             let d = widen_scales(scale_pairs(&w, i, j, p.d));
             for k in 0..R {
                 let (b0, b1) = (w[k].get_unchecked(i), w[k].get_unchecked(j));
-                prefetch_step(b0 as *const BlockQ8 as *const u8, 2 * std::mem::size_of::<BlockQ8>());
+                prefetch_step(b0 as *const BlockQ8 as *const u8, 2 * std::mem::size_of::<BlockQ8>(), ahead);
                 let s = _mm512_dpbusd_epi32(p.start, codes8(b0, b1), p.x);
                 acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), row_scales(d, k), acc[k]);
             }

@@ -94,7 +94,8 @@ unsafe fn halves(u: __m256i) -> [__m128i; 2] {
     [_mm256_castsi256_si128(u), _mm256_extracti128_si256::<1>(u)]
 }
 
-/// Prefetches a block's bytes `PREFETCH_AHEAD` ahead, one per cache line.
+/// Prefetches a block's bytes `PREFETCH_AHEAD` ahead, one per cache line
+/// (where [`crate::cpu::software_prefetch`] says it pays).
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn prefetch<B>(b: &B) {
@@ -118,10 +119,13 @@ trait SuperBlock {
 unsafe fn rows<B: SuperBlock, const R: usize>(w: [&[B]; R], x: &[BlockA8K]) -> [f32; R] {
     let mut acc = [_mm256_setzero_ps(); R];
     let mut accm = [_mm256_setzero_ps(); R];
+    let ahead = crate::cpu::software_prefetch();
     for (i, a) in x.iter().enumerate() {
         for k in 0..R {
             let b = w[k].get_unchecked(i);
-            prefetch(b);
+            if ahead {
+                prefetch(b);
+            }
             b.step(a, &mut acc[k], &mut accm[k]);
         }
     }

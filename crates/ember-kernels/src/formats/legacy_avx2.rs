@@ -91,10 +91,11 @@ macro_rules! legacy {
 unsafe fn rows<B: Block32, const R: usize>(w: [&[B]; R], x: &[BlockA8]) -> [f32; R] {
     let mut acc = [_mm256_setzero_ps(); R];
     let mut extra = [0.0f32; R];
+    let prefetch = crate::cpu::software_prefetch();
     for (i, a) in x.iter().enumerate() {
         for k in 0..R {
             let b = w[k].get_unchecked(i);
-            if i % 2 == 0 {
+            if prefetch && i % 2 == 0 {
                 // About one prefetch per cache line.
                 _mm_prefetch::<_MM_HINT_T0>((b as *const B as *const i8).wrapping_add(PREFETCH_AHEAD));
             }
