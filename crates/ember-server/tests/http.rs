@@ -273,7 +273,10 @@ fn a_full_queue_refuses_with_retry_after_and_leaving_clients_are_cancelled() {
     // milliseconds, while the requests all arrive within a few. (In 256
     // positions, the fixture's, the client leaving below raced the end of
     // a 230-token reply, a few milliseconds, and now and then lost.)
-    let a = start_model(long_tiny(), 1, 4096, 1, None);
+    let dir = long_tiny();
+    let a = start_model(dir.clone(), 1, 4096, 1, None);
+    // The server has read the copy (and maps what it keeps).
+    std::fs::remove_dir_all(&dir).unwrap();
     let slow = chat("tell me a long story .", 400);
     // One runs, one waits, the others are refused.
     let handles: Vec<_> = (0..12)
