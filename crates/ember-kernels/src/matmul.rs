@@ -14,7 +14,7 @@
 //! | INT8/INT4 at fast precision otherwise | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX, from `AMX_MIN_TOKENS` (32) tokens on | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 on AMX, 9–16 tokens (several sequences decoding) | `amx::few_rows`: weight tiles loaded in place, one token tile |
-//! | BF16 at fast precision where `vdpbf16ps` pays off | [`gemm_bf16::matmul_rows`] |
+//! | BF16 at fast precision where `vdpbf16ps` pays off, 8 tokens or more | [`gemm_bf16::matmul_rows`] |
 //! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
 //! | BF16, ≤ 8 tokens on AVX-512 (in column blocks that fit L1), ≤ 4 whose activations fit L1 on AVX2, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
@@ -686,13 +686,26 @@ fn on_amx_few(isa: Isa, w: &MatRef, t: usize) -> bool {
         && (SMALL_BATCH + 1..=amx::FEW_TOKENS).contains(&t)
 }
 
+/// Fewest tokens the fast BF16 kernels ([`gemm_bf16::matmul_rows`]) take.
+/// Below, their 32-row panels cost more to pack than their `vdpbf16ps`
+/// saves, and rows streamed like a mat-vec ([`few_tokens_rows`], exact f32)
+/// are as fast or faster. Zen 4, 2 threads, BF16, aggregate tok/s of
+/// `ember bench -p 0 -n 32 -r 2 --sequences …` at each precision, two
+/// rounds alternated, exact against fast: 4 sequences 104, 113 against 74,
+/// 78; 5: 140, 133 against 96, 104; 6: 153, 151 against 131, 128; 7: 166,
+/// 147 against 156, 172 (level: the exact kernel keeps them); 8: 145, 150
+/// against 188, 196.
+const FAST_BF16_MIN_TOKENS: usize = 8;
+
 // The two AMX kernels take disjoint token counts, so they share one buffer.
 const _: () = assert!(amx::FEW_TOKENS < AMX_MIN_TOKENS);
 
 /// Whether the fast BF16 kernels take `w`'s products over `t` tokens (AMX,
-/// where it runs, takes them first).
+/// where it runs, takes them first; up to [`FAST_BF16_MIN_TOKENS`] − 1
+/// tokens go to [`few_tokens_rows`], exact and faster there).
 fn fast_bf16(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
     precision == Precision::Fast
+        && t >= FAST_BF16_MIN_TOKENS
         && matches!(w.weights, Weights::Bf16(_))
         && gemm_bf16::available(isa)
         && gemm_bf16::pays_off()
