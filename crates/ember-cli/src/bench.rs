@@ -360,7 +360,13 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         println!("weights streamed per decoded token: {:.3} GB, from {from}", b as f64 / 1e9);
     }
     if let Some(r) = rows.first() {
-        let dot = if ember_kernels::gemm_bf16::pays_off() { "used" } else { "not used (slower than f32 FMA here)" };
+        let dot = if !ember_kernels::gemm_bf16::available(ember_kernels::Isa::active()) {
+            "not available (no AVX512-BF16 in this tier)"
+        } else if ember_kernels::gemm_bf16::pays_off() {
+            "used"
+        } else {
+            "not used (slower than f32 FMA here)"
+        };
         println!("kernel tier: {}, precision of batched products: {}, BF16 dot products: {dot}", r.isa, r.precision);
         let ahead = match ember_kernels::cpu::software_prefetch() {
             true => "software prefetches ahead of each row stream",
