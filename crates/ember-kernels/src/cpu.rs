@@ -373,9 +373,9 @@ pub fn software_prefetch() -> bool {
 fn is_amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        // The vendor string's twelve bytes, in EBX, EDX, ECX.
         let r = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).collect();
-        vendor == b"AuthenticAMD"
+        [r.ebx, r.edx, r.ecx] == [*b"Auth", *b"enti", *b"cAMD"].map(u32::from_le_bytes)
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -336,8 +336,8 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             unsafe fn rows_q4_0_quads<const R: usize>(w: [&[BlockQ4_0]; R], x: &[BlockA8x4]) -> [f32; R] {
                 let n = w[0].len();
-                let ahead = crate::cpu::software_prefetch();
                 debug_assert_eq!(x.len(), n.div_ceil(4));
+                let ahead = crate::cpu::software_prefetch();
                 let mut acc = [_mm512_setzero_ps(); R];
                 let nibble = _mm512_set1_epi8(15);
                 // Word 9b of a step's 72 bytes is block b's scale; the
