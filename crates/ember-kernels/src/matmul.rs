@@ -14,7 +14,8 @@
 //! | INT8/INT4 at fast precision otherwise | [`gemm_int8`]: int8 activations, integer dot products |
 //! | BF16, F16 on AMX, from `AMX_MIN_TOKENS` (32) tokens on | [`amx`]: BF16 tiles, activations as exact BF16 terms |
 //! | BF16 on AMX, 9–16 tokens (several sequences decoding) | `amx::few_rows`: weight tiles loaded in place, one token tile |
-//! | BF16 at fast precision where `vdpbf16ps` pays off, 8 tokens or more | [`gemm_bf16::matmul_rows`] |
+//! | BF16 at fast precision where `vdpbf16ps` pays off, 2–8 tokens (several sequences decoding) | `dot_rows`: rows streamed like a mat-vec, activations rounded to BF16 |
+//! | BF16 at fast precision where `vdpbf16ps` pays off, 9 tokens or more | [`gemm_bf16::matmul_rows`] |
 //! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
 //! | BF16, ≤ 8 tokens on AVX-512 (in column blocks that fit L1), ≤ 4 whose activations fit L1 on AVX2, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
@@ -26,6 +27,7 @@
 use crate::amx;
 use crate::cpu::{prefetch, Cache, Isa, Tier};
 use crate::dot::dot_f32_scalar;
+use crate::formats::bf16;
 use crate::formats::with_weights;
 use crate::formats::{MatRef, Weights};
 use crate::pool::{Chunks, SharedMut, ThreadPool};
@@ -187,13 +189,19 @@ const SMALL_BATCH_BYTES: usize = 40 * 1024;
 
 /// Columns per block of [`few_tokens_rows`] for `t` tokens of `cols`
 /// columns: all of them when the activations fit [`SMALL_BATCH_BYTES`], else
-/// blocks of whole `width`s whose activations fit [`FEW_BLOCK_BYTES`], as
-/// even as that allows.
+/// blocks of whole `width`s whose activations fit [`FEW_BLOCK_BYTES`].
 fn few_block(t: usize, cols: usize, width: usize) -> usize {
-    if 4 * t * cols <= SMALL_BATCH_BYTES {
+    column_block(cols, 4 * t, SMALL_BATCH_BYTES, FEW_BLOCK_BYTES, width)
+}
+
+/// Columns per block for activations of `bytes` a column (all tokens'):
+/// all of them when they fit `whole`, else blocks of whole `width`s whose
+/// activations fit `most`, as even as that allows.
+fn column_block(cols: usize, bytes: usize, whole: usize, most: usize, width: usize) -> usize {
+    if bytes * cols <= whole {
         return cols;
     }
-    let most = (FEW_BLOCK_BYTES / (4 * t) / width).max(1) * width;
+    let most = (most / bytes / width).max(1) * width;
     let blocks = cols.div_ceil(most);
     cols.div_ceil(blocks).next_multiple_of(width)
 }
@@ -208,13 +216,8 @@ const FEW_BLOCK_BYTES: usize = 24 * 1024;
 /// read from memory once, widened in registers, and multiplied with every
 /// token (up to 16 accumulators on AVX-512, both rows at once; 8 on AVX2,
 /// a row at a time), the tokens staying in L1. No panel is widened first,
-/// so the memory reads and the arithmetic overlap.
-///
-/// The rows go in four interleaved streams (the share's quarters), as the
-/// mat-vec's do: the hardware prefetcher follows each stream separately, so
-/// four keep four times the reads in flight of one. With the rows taken in
-/// order (one stream), the same kernel read 20.5 GB/s at 8 tokens on the
-/// LM head where the mat-vec reads 28.
+/// so the memory reads and the arithmetic overlap. The rows go in
+/// [`stream_pairs`]' four streams.
 ///
 /// Activations too large for L1 (8 tokens of down_proj's 4864 columns:
 /// 152 KB) are taken in column blocks that fit ([`few_block`]): each block
@@ -222,8 +225,64 @@ const FEW_BLOCK_BYTES: usize = 24 * 1024;
 /// (every weight is still read from memory once), and adds its partial sums
 /// to the outputs. The activations come split once per product
 /// ([`FewActs`], made where [`on_few`] says this kernel takes the product).
-fn few_tokens_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, few: &FewActs, out: &Out) {
-    let (t, block) = (few.tokens, few.block);
+fn few_tokens_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, few: &FewActs, out: &Out) {
+    let t = few.tokens;
+    stream_pairs(w, cols, rows, t, few.block, out, |b, k0, k1, segs, ahead, y| {
+        // The kernel splits each `width` weights into even and odd columns;
+        // the activations were split the same way once for the product.
+        let xs = &few.data[few.starts[b]..few.starts[b] + t * (k1 - k0)];
+        if few.wide {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F is present (`FewActs::wide` is set only on
+            // the AVX-512 tiers); both segments hold `k1 - k0` values, `xs`
+            // `t` tokens of them split for `width`.
+            unsafe {
+                let part = avx512::rows2_bf16(t, segs, xs, ahead);
+                for (yi, pi) in y.iter_mut().zip(&part) {
+                    yi[..t].copy_from_slice(&pi[..t]);
+                }
+            }
+        } else {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 and FMA are present (`FewActs` exists only on the
+            // x86 tiers); both segments hold `k1 - k0` values, `xs` `t ≤
+            // PASS` tokens split for `width`.
+            unsafe {
+                let part = avx2::rows2_pass(segs, xs, t, ahead);
+                for (yi, pi) in y.iter_mut().zip(&part) {
+                    yi[..t].copy_from_slice(&pi[..t]);
+                }
+            }
+        }
+    })
+}
+
+/// Most tokens a kernel of [`stream_pairs`] returns sums for.
+const PAIR_TOKENS: usize = SMALL_BATCH;
+
+/// Rows `rows` of `Y = X @ Wᵀ` for `t` tokens, streamed like a mat-vec of
+/// several vectors, in column blocks of `block` (each block passes over all
+/// the rows; every weight is still read from memory once). For each pair of
+/// rows and block, `kernel(b, k0, k1, segments, ahead, y)` multiplies the
+/// two rows' segments (columns `k0..k1` of block `b`) with every token into
+/// `y[row][token]`, while `ahead`, the rows it meets later, are read from
+/// memory; this adds the sums into `out`.
+///
+/// The rows go in four interleaved streams (the share's quarters), as the
+/// mat-vec's do: the hardware prefetcher follows each stream separately, so
+/// four keep four times the reads in flight of one. With the rows taken in
+/// order (one stream), the f32 kernel read 20.5 GB/s at 8 tokens on the LM
+/// head where the mat-vec reads 28.
+fn stream_pairs(
+    w: &[bf16],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    t: usize,
+    block: usize,
+    out: &Out,
+    mut kernel: impl FnMut(usize, usize, usize, [&[bf16]; 2], [*const bf16; 2], &mut [[f32; PAIR_TOKENS]; 2]),
+) {
+    assert!((1..=PAIR_TOKENS).contains(&t));
     // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2 and 3 (n
     // odd), i = n / 2; then the ragged rest two by two.
     let q = rows.len() / 4;
@@ -238,17 +297,21 @@ fn few_tokens_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Rang
             [r, (r + 1).min(rows.end - 1)]
         }
     };
-    let mut k0 = 0;
-    for &start in few.starts {
+    if rows.is_empty() {
+        return;
+    }
+    // SAFETY: this thread owns columns `rows` of every output row; only
+    // those are written through `base`, whose range is checked here.
+    let base = unsafe { out.data.ptr(0, (t - 1) * out.stride + rows.end) };
+    // The kernel's sums for each pair: it writes the first `t` of each row.
+    let mut y = [[0.0f32; PAIR_TOKENS]; 2];
+    for (b, k0) in (0..cols).step_by(block).enumerate() {
         let k1 = (k0 + block).min(cols);
-        // The kernel splits each `width` weights into even and odd columns;
-        // the activations were split the same way once for the product.
-        let xs = &few.data[start..start + t * (k1 - k0)];
         let seg = |r: usize| &w[r * cols + k0..r * cols + k1];
         // The rows two pairs on in each stream (past the block's last pair,
         // the next block's first), read from memory while pair `n`'s are
         // multiplied.
-        let ahead = |n: usize| -> [*const crate::formats::bf16; 2] {
+        let ahead = |n: usize| -> [*const bf16; 2] {
             let (m, k) = if n + 4 < pairs {
                 (n + 4, k0)
             } else if k1 < cols {
@@ -260,38 +323,103 @@ fn few_tokens_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Rang
         };
         for n in 0..pairs {
             let [r0, r1] = pair(n);
-            let mut y = [[0.0f32; SMALL_BATCH]; 2];
-            if few.wide {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512F is present (`FewActs::wide` is set only on
-                // the AVX-512 tiers); both segments hold `k1 - k0` values,
-                // `xs` `t` tokens of them split for `width`.
-                unsafe {
-                    y = avx512::rows2_bf16(t, [seg(r0), seg(r1)], xs, ahead(n))
-                };
-            } else {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 and FMA are present (`FewActs` exists only on
-                // the x86 tiers); both segments hold `k1 - k0` values, `xs`
-                // `t ≤ PASS` tokens split for `width`.
-                unsafe {
-                    let part = avx2::rows2_pass([seg(r0), seg(r1)], xs, t, ahead(n));
-                    for (yi, pi) in y.iter_mut().zip(&part) {
-                        yi[..t].copy_from_slice(&pi[..t]);
+            kernel(b, k0, k1, [seg(r0), seg(r1)], ahead(n), &mut y);
+            for (i, &r) in [r0, r1].iter().enumerate().take(if r1 == r0 { 1 } else { 2 }) {
+                // Token j's output at `j · stride` from `at`.
+                let at = base.wrapping_add(r);
+                for (j, &v) in y[i].iter().take(t).enumerate() {
+                    // SAFETY: this thread owns columns `rows` of every
+                    // output row, `r` among them, and `base` reaches the
+                    // last token's.
+                    unsafe {
+                        let o = at.add(j * out.stride);
+                        *o = if k0 == 0 { v } else { *o + v };
                     }
                 }
             }
-            for (i, &r) in [r0, r1].iter().enumerate().take(if r1 == r0 { 1 } else { 2 }) {
-                for (j, &v) in y[i].iter().take(t).enumerate() {
-                    // SAFETY: this thread owns columns `rows` of every
-                    // output row, `r` among them.
-                    let o = unsafe { &mut out.data.range(j * out.stride + r, j * out.stride + r + 1)[0] };
-                    *o = if k0 == 0 { v } else { *o + v };
-                }
-            }
         }
-        k0 = k1;
     }
+}
+
+/// Most tokens whose products over BF16 weights [`dot_rows`] takes, in one
+/// pass; more go to the packed panels ([`gemm_bf16::matmul_rows`]), which
+/// were faster than two passes ([`FAST_BF16_MIN_TOKENS`] has the figures).
+const DOT_TOKENS: usize = PAIR_TOKENS;
+
+/// Most bytes of rounded activations one column block of [`dot_rows`]
+/// holds, so that they stay in L1 (32 KB on Zen 4) beside the streaming
+/// weights: 8 tokens of 896 columns (14 KB) in one block, of down_proj's
+/// 4864 in five. Zen 4, 2 threads, 8 sequences decoding (`ember bench -p 0
+/// -n 32 -r 2 --sequences 8`, three rounds alternated): 16 KB 227–246
+/// tok/s, 8 KB (896 columns in two blocks) 183–189, 90 KB (down_proj in
+/// one, its activations in L2) 214–216.
+const DOT_BLOCK_BYTES: usize = 16 * 1024;
+
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`DOT_TOKENS`]) over
+/// BF16 weights at fast precision, the activations rounded to one BF16
+/// term ([`DotActs`]), streamed in pairs of rows like [`few_tokens_rows`]
+/// ([`stream_pairs`]). Per 32 columns, one load of a row's weights meets
+/// one load of each token's rounded activations in one `vdpbf16ps` (16
+/// lanes of two products each): no panel packed, nothing widened, half the
+/// instructions of the f32 kernel's shift, mask and two FMAs per 16
+/// columns; the horizontal sums come once per pair and column block (16
+/// accumulators: two rows, eight tokens).
+///
+/// On Zen 4, one thread, weights in cache (criterion's `batched decode`
+/// group, 896 × 896, 4864 × 896 and 896 × 4864), 8 tokens run at 96–99 G
+/// multiply-adds/s against 71–73 for the panels; a loop of the same
+/// instructions on data in L1 makes 103.
+fn dot_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, acts: &DotActs, out: &Out) {
+    let t = acts.tokens;
+    assert!((1..=DOT_TOKENS).contains(&t) && acts.data.len() == cols.div_ceil(32) * t * 16);
+    let block = column_block(cols, 2 * t, DOT_BLOCK_BYTES, DOT_BLOCK_BYTES, 32);
+    stream_pairs(w, cols, rows, t, block, out, |_, k0, _, segs, ahead, y| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F/BW and AVX512-BF16 are present (the fast BF16
+        // kernels run only on those tiers); the kernel checks that the
+        // activations cover the segments' columns.
+        unsafe {
+            avx512::rows2_dot(t, segs, &acts.data[k0 / 32 * t * 16..], ahead, y)
+        };
+    })
+}
+
+/// Activations `X (T, cols)` rounded to BF16 for [`dot_rows`], token by
+/// token in each 32 columns: chunk `c`'s 16 words (column pairs, the even
+/// column in the low half) of token `j` at `(c · T + j) · 16`, so that a
+/// kernel reaches every token from one pointer; a ragged last chunk padded
+/// with zeros. From a cache line on: no load straddles two.
+struct DotActs<'a> {
+    tokens: usize,
+    data: &'a [u32],
+}
+
+/// `x (T, cols)` rounded to the nearest BF16 (ties to even, as
+/// [`gemm_bf16::bf16_bits`]) and laid out for [`dot_rows`] in `buf`.
+fn prepare_dot<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u32>) -> DotActs<'b> {
+    let t = x.len() / cols;
+    let chunks = cols.div_ceil(32);
+    buf.clear();
+    buf.resize(chunks * t * 16 + 15, 0);
+    let start = buf.as_ptr().align_offset(64).min(15);
+    let data = &mut buf[start..start + chunks * t * 16];
+    #[cfg(target_arch = "x86_64")]
+    if gemm_bf16::available(isa) {
+        for (j, xj) in x.chunks_exact(cols).enumerate() {
+            // SAFETY: the tier has AVX-512F/BW and AVX512-BF16 (`isa` is
+            // the proof); `data` holds `chunks` chunks of `t` tokens.
+            unsafe { avx512::round_for_dot(xj, t, j, data) };
+        }
+        return DotActs { tokens: t, data };
+    }
+    let _ = isa;
+    for (j, xj) in x.chunks_exact(cols).enumerate() {
+        for (k, &v) in xj.iter().enumerate() {
+            let word = &mut data[(k / 32 * t + j) * 16 + k % 32 / 2];
+            *word |= (gemm_bf16::bf16_bits(v) as u32) << (16 * (k % 2));
+        }
+    }
+    DotActs { tokens: t, data }
 }
 
 /// Whether [`few_tokens_rows`] has kernels for `t` tokens of `cols`
@@ -611,6 +739,8 @@ struct Prepared<'a> {
     /// `x` transposed for [`lanes_rows`]: `(cols, 8 · vectors)`.
     lanes: Option<&'a [f32]>,
     bf16: Option<gemm_bf16::Acts<'a>>,
+    /// Rounded for [`dot_rows`].
+    dot: Option<DotActs<'a>>,
     int8: Option<gemm_int8::Acts<'a>>,
     few: Option<FewActs<'a>>,
 }
@@ -686,23 +816,29 @@ fn on_amx_few(isa: Isa, w: &MatRef, t: usize) -> bool {
         && (SMALL_BATCH + 1..=amx::FEW_TOKENS).contains(&t)
 }
 
-/// Fewest tokens the fast BF16 kernels ([`gemm_bf16::matmul_rows`]) take.
-/// Below, their 32-row panels cost more to pack than their `vdpbf16ps`
-/// saves, and rows streamed like a mat-vec ([`few_tokens_rows`], exact f32)
-/// are as fast or faster. Zen 4, 2 threads, BF16, aggregate tok/s of
-/// `ember bench -p 0 -n 32 -r 2 --sequences …` at each precision, two
-/// rounds alternated, exact against fast: 4 sequences 104, 113 against 74,
-/// 78; 5: 140, 133 against 96, 104; 6: 153, 151 against 131, 128; 7: 166,
-/// 147 against 156, 172 (level: the exact kernel keeps them); 8: 145, 150
-/// against 188, 196.
-const FAST_BF16_MIN_TOKENS: usize = 8;
+/// Fewest tokens the fast BF16 kernels take: a single token (one sequence
+/// decoding, or a one-token prompt) stays exact, as the mat-vec is. From 2
+/// to [`DOT_TOKENS`] tokens [`dot_rows`] takes them, more the packed panels
+/// ([`gemm_bf16::matmul_rows`]).
+///
+/// Measured on Zen 4 (2 threads, BF16, `ember bench -p 0 -n 32 -r 2
+/// --sequences …`, aggregate tok/s, three rounds alternated, 2026-12-07):
+/// - against the exact rows-streamed kernel ([`few_tokens_rows`]), which
+///   took 2–7 tokens before: 2 sequences 72–75 against 56–69, 3: 102–106
+///   against 85–115, 4: 99–137 against 127–134, 5: 129–177 against
+///   133–137, 6: 153–214 against 142–145, 8 (against the panels, which
+///   took 8): 230–245 against 177–205;
+/// - against the panels from 9 tokens on, [`dot_rows`] taking 16 in two
+///   passes of 8 and two column blocks: 10 sequences 169–173 against 213,
+///   12: 184–197 against 219–240, 16: 219–223 against 251–281.
+const FAST_BF16_MIN_TOKENS: usize = 2;
 
 // The two AMX kernels take disjoint token counts, so they share one buffer.
 const _: () = assert!(amx::FEW_TOKENS < AMX_MIN_TOKENS);
 
 /// Whether the fast BF16 kernels take `w`'s products over `t` tokens (AMX,
-/// where it runs, takes them first; up to [`FAST_BF16_MIN_TOKENS`] − 1
-/// tokens go to [`few_tokens_rows`], exact and faster there).
+/// where it runs, takes them first; one token stays exact,
+/// [`FAST_BF16_MIN_TOKENS`]).
 fn fast_bf16(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
     precision == Precision::Fast
         && t >= FAST_BF16_MIN_TOKENS
@@ -760,12 +896,21 @@ fn with_prepared<R>(
                         } else {
                             (None, None)
                         };
+                        // The fast BF16 kernels' two layouts never both
+                        // apply (by the tokens), so they share one buffer.
+                        let (bf16, dot) = if !want_bf16 {
+                            (None, None)
+                        } else if t <= DOT_TOKENS {
+                            (None, Some(prepare_dot(isa, x, cols, &mut rounded)))
+                        } else {
+                            (Some(gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)), None)
+                        };
                         let prepared = Prepared {
                             amx,
                             amx_few,
                             lanes: want_lanes.then(|| transpose_for_lanes(x, cols, &mut transposed)),
-                            bf16: want_bf16
-                                .then(|| gemm_bf16::prepare(isa, pool, x, cols, gemm_bf16::FAST_TERMS, &mut rounded)),
+                            bf16,
+                            dot,
                             int8: want_int8.then(|| gemm_int8::prepare(isa, pool, x, cols, &mut quantized)),
                             few: if want_few { prepare_few(isa, x, cols, &mut few) } else { None },
                         };
@@ -828,9 +973,14 @@ fn product_rows(
             return;
         }
     }
-    if let (Some(acts), Weights::Bf16(v)) = (prepared.bf16.as_ref(), w.weights) {
+    if let Weights::Bf16(v) = w.weights {
         if fast_bf16(isa, precision, &w, t) {
-            return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
+            if let Some(acts) = prepared.dot.as_ref() {
+                return dot_rows(v, w.cols, rows, acts, out);
+            }
+            if let Some(acts) = prepared.bf16.as_ref() {
+                return gemm_bf16::matmul_rows(isa, v, w.cols, rows, acts, out);
+            }
         }
     }
     if let (Some(xt), Weights::Bf16(v)) = (prepared.lanes, w.weights) {
@@ -1197,6 +1347,114 @@ mod avx512 {
         by_n!(1 2 3 4 5 6 7 8)
     }
 
+    /// One token's activations `x (cols,)`, token `j` of `t`, rounded to
+    /// BF16 into [`super::DotActs`]' layout: 32 columns a `vcvtne2ps2bf16`,
+    /// the ragged end read masked (zeros past it).
+    ///
+    /// # Safety
+    /// AVX-512F, AVX-512BW and AVX512-BF16; `data` holds `cols.div_ceil(32)
+    /// · t · 16` words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn round_for_dot(x: &[f32], t: usize, j: usize, data: &mut [u32]) {
+        let cols = x.len();
+        assert!(j < t && data.len() == cols.div_ceil(32) * t * 16);
+        for (c, k) in (0..cols).step_by(32).enumerate() {
+            let m = |from: usize| -> __mmask16 {
+                let n = cols.saturating_sub(k + from).min(16);
+                ((1u32 << n) - 1) as __mmask16
+            };
+            let lo = _mm512_maskz_loadu_ps(m(0), x.as_ptr().add(k));
+            let hi = _mm512_maskz_loadu_ps(m(16), x.as_ptr().wrapping_add(k + 16));
+            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(data.as_mut_ptr().add((c * t + j) * 16) as *mut _, words);
+        }
+    }
+
+    /// Two BF16 rows against `n ≤ 8` tokens' activations in
+    /// [`super::DotActs`]' layout (`x` from the segments' first chunk):
+    /// `y[i][j] = w[i] · x[j]` for `j < n` by `vdpbf16ps`. `ahead` are
+    /// prefetched as far as `w` reaches.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX-512BW and AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn rows2_dot(
+        n: usize,
+        w: [&[crate::formats::bf16]; 2],
+        x: &[u32],
+        ahead: [*const crate::formats::bf16; 2],
+        y: &mut [[f32; super::PAIR_TOKENS]; 2],
+    ) {
+        let len = w[0].len();
+        assert!(w[1].len() == len && (1..=8).contains(&n));
+        assert!(x.len() >= len.div_ceil(32) * n * 16);
+        macro_rules! by_n {
+            ($($n:literal)*) => {
+                match n {
+                    $($n => rows2_dot_n::<$n>(w, x.as_ptr(), ahead),)*
+                    _ => unreachable!("1..=8 tokens"),
+                }
+            };
+        }
+        // Lanes 0..8 are row 0's tokens, 8..16 row 1's.
+        let sums = by_n!(1 2 3 4 5 6 7 8);
+        _mm256_storeu_ps(y[0].as_mut_ptr(), _mm512_castps512_ps256(sums));
+        _mm256_storeu_ps(y[1].as_mut_ptr(), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sums))));
+    }
+
+    /// [`rows2_dot`] for `N` tokens, whose words for a chunk are at `x`, the
+    /// next chunk's `16 N` words on: lane `8i + j` of the result is row `i`'s
+    /// sum for token `j`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn rows2_dot_n<const N: usize>(
+        w: [&[crate::formats::bf16]; 2],
+        mut x: *const u32,
+        ahead: [*const crate::formats::bf16; 2],
+    ) -> __m512 {
+        let len = w[0].len();
+        // c[j][i]: token j, row i.
+        let mut c = [[_mm512_setzero_ps(); 2]; N];
+        // One step: 32 columns from `k` (fewer, zeros past the mask).
+        macro_rules! step {
+            ($k:expr, $wmask:expr) => {
+                let k = $k;
+                let v: [__m512bh; 2] =
+                    w.map(|r| std::mem::transmute(_mm512_maskz_loadu_epi16($wmask, r.as_ptr().add(k) as *const i16)));
+                for (j, cj) in c.iter_mut().enumerate() {
+                    let xj: __m512bh = std::mem::transmute(_mm512_load_si512(x.add(16 * j) as *const _));
+                    cj[0] = _mm512_dpbf16_ps(cj[0], v[0], xj);
+                    cj[1] = _mm512_dpbf16_ps(cj[1], v[1], xj);
+                }
+            };
+        }
+        let mut k = 0;
+        while k + 32 <= len {
+            // Into L2, as [`rows2_n`] (into L1, `T0`, 8 sequences decoded
+            // at 160-168 against 226-249 tok/s; without, 122-124).
+            _mm_prefetch::<_MM_HINT_T2>(ahead[0].wrapping_add(k) as *const i8);
+            _mm_prefetch::<_MM_HINT_T2>(ahead[1].wrapping_add(k) as *const i8);
+            step!(k, !0);
+            x = x.add(16 * N);
+            k += 32;
+        }
+        if k < len {
+            // The ragged end: zero weights past the row (and zero
+            // activations past the columns).
+            step!(k, (1u32 << (len - k)) - 1);
+        }
+        // Lane `l = 4 (v % 4) + v / 4` of the sums is `v`'s: fed row `l / 8`,
+        // token `l % 8` there, the lanes come in that order.
+        reduce16(std::array::from_fn(|v| {
+            let l = 4 * (v % 4) + v / 4;
+            if l % 8 < N {
+                c[l % 8][l / 8]
+            } else {
+                _mm512_setzero_ps()
+            }
+        }))
+    }
+
     /// Lane `4j + k` of the result is the sum of `v[4k + j]`'s lanes: 16
     /// horizontal sums in 45 operations instead of 16 × 8.
     #[inline]
@@ -1328,6 +1586,9 @@ mod tests {
             (208, 96, 3),
             (21, 2500, 8),
             (37, 1700, 6),
+            // Several sequences over BF16 at fast precision: ragged columns
+            // across the rows-streamed kernel's column blocks.
+            (70, 1201, 5),
             // AMX's few-token kernel: whole and ragged row groups, 1 to 16 tokens.
             (48, 64, 9),
             (80, 192, 16),
@@ -1446,6 +1707,31 @@ mod tests {
             if span.len() >= 32 {
                 assert_eq!(xp[start + 32], x[300 + span.start]);
                 assert_eq!(xp[start + 33], x[300 + span.start + 2]);
+            }
+        }
+    }
+
+    #[test]
+    fn dot_activations_are_rounded_and_laid_out_alike_on_every_tier() {
+        // Ragged columns (mod 32, mod 16, odd) and 1 to 8 tokens.
+        for (t, cols) in [(1, 7), (2, 33), (3, 64), (5, 95), (8, 896), (8, 1001)] {
+            let x = synth(t * cols, cols as u64);
+            let mut buf = Vec::new();
+            let want = prepare_dot(Isa::scalar(), &x, cols, &mut buf).data.to_vec();
+            // Token j's column k is half k % 2 of word k % 32 / 2 of its
+            // slot in chunk k / 32, rounded as `bf16_bits` does.
+            for j in 0..t {
+                for k in 0..cols {
+                    let word = want[(k / 32 * t + j) * 16 + k % 32 / 2];
+                    let bits = (word >> (16 * (k % 2))) as u16;
+                    assert_eq!(bits, gemm_bf16::bf16_bits(x[j * cols + k]), "t={t} cols={cols} j={j} k={k}");
+                }
+            }
+            for isa in Isa::supported() {
+                let mut buf = Vec::new();
+                let got = prepare_dot(isa, &x, cols, &mut buf);
+                assert_eq!(got.data.as_ptr() as usize % 64, 0, "{isa:?}");
+                assert_eq!(got.data, &want[..], "{isa:?} t={t} cols={cols}");
             }
         }
     }
