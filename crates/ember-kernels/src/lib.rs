@@ -19,7 +19,7 @@
 //! | [`cpu`] | CPU features and tiers (detected once, `EMBER_ISA` masks them) |
 //! | [`formats`] | the weight-format table: F32, BF16, F16, INT8, INT4, INT5 and ggml's Q4_1, Q5_0, Q5_1, Q2_K … Q6_K; [`MatRef`] |
 //! | [`matvec`](mod@matvec) | `W (rows, cols) @ x (cols,) -> y (rows,)` over any weight type, threaded by rows; fused q/k/v and gate/up forms |
-//! | [`matmul`](mod@matmul) | `X (T, cols) @ Wᵀ -> Y (T, rows)` for blocks of tokens (prefill, batched decode): the dispatch to the kernels below, and f32 panels with a register-tiled micro-kernel |
+//! | [`matmul`](mod@matmul) | `X (T, cols) @ Wᵀ -> Y (T, rows)` for blocks of tokens (prefill, batched decode): the dispatch to the kernels below, f32 panels with a register-tiled micro-kernel, and a few tokens (several sequences decoding) over BF16 rows streamed like a mat-vec (`vdpbf16ps` at [`Precision::Fast`] where it pays off, f32 FMA otherwise) |
 //! | [`gemm_bf16`] | those products over BF16 weights in packed 32-row panels: `vdpbf16ps` at [`Precision::Fast`] where it pays off (AVX512-BF16), f32 FMA otherwise (AVX-512) |
 //! | [`gemm_int8`] | those products over INT8/INT4/INT5 (and Q5_0) weights with int8 activations at [`Precision::Fast`]: `vpdpbusd` on the VNNI tiers, `vpmaddubsw` on AVX2 and AVX-512 |
 //! | [`amx`] | AMX tiles for those products, activations split into BF16 terms for f32-class accuracy |
