@@ -237,11 +237,8 @@ fn few_tokens_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, few: &
             // the AVX-512 tiers); both segments hold `k1 - k0` values, `xs`
             // `t` tokens of them split for `width`.
             unsafe {
-                let part = avx512::rows2_bf16(t, segs, xs, ahead);
-                for (yi, pi) in y.iter_mut().zip(&part) {
-                    yi[..t].copy_from_slice(&pi[..t]);
-                }
-            }
+                *y = avx512::rows2_bf16(t, segs, xs, ahead)
+            };
         } else {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 and FMA are present (`FewActs` exists only on the
@@ -283,6 +280,9 @@ fn stream_pairs(
     mut kernel: impl FnMut(usize, usize, usize, [&[bf16]; 2], [*const bf16; 2], &mut [[f32; PAIR_TOKENS]; 2]),
 ) {
     assert!((1..=PAIR_TOKENS).contains(&t));
+    if rows.is_empty() {
+        return;
+    }
     // Pair n: for n < 2q, rows i of streams 0 and 1 (n even) or 2 and 3 (n
     // odd), i = n / 2; then the ragged rest two by two.
     let q = rows.len() / 4;
@@ -297,9 +297,6 @@ fn stream_pairs(
             [r, (r + 1).min(rows.end - 1)]
         }
     };
-    if rows.is_empty() {
-        return;
-    }
     // SAFETY: this thread owns columns `rows` of every output row; only
     // those are written through `base`, whose range is checked here.
     let base = unsafe { out.data.ptr(0, (t - 1) * out.stride + rows.end) };
@@ -377,7 +374,8 @@ fn dot_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, acts: &DotAct
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F/BW and AVX512-BF16 are present (the fast BF16
         // kernels run only on those tiers); the kernel checks that the
-        // activations cover the segments' columns.
+        // activations cover the segments' columns, and each block's start
+        // (a whole number of 64-byte chunks from a cache line) is aligned.
         unsafe {
             avx512::rows2_dot(t, segs, &acts.data[k0 / 32 * t * 16..], ahead, y)
         };
@@ -1376,7 +1374,8 @@ mod avx512 {
     /// prefetched as far as `w` reaches.
     ///
     /// # Safety
-    /// AVX-512F, AVX-512BW and AVX512-BF16.
+    /// AVX-512F, AVX-512BW and AVX512-BF16; `x` on a 64-byte boundary (the
+    /// activations are read with aligned loads, as `DotActs` lays them out).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn rows2_dot(
         n: usize,
