@@ -8,7 +8,10 @@
 //!     cargo bench -p ember-benches -- attention          # one query row over 256-4096 positions
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ember_kernels::{bf16, f16, matmul_with, matvec, matvec_with, Isa, MatRef, Precision, Tier, Weights};
+use ember_kernels::parts::{parts_for, split_columns};
+use ember_kernels::{
+    bf16, f16, matmul_with, matvec, matvec_parts, matvec_with, pool, ColumnParts, Isa, MatRef, Precision, Tier, Weights,
+};
 
 /// (rows, cols) of the model's matrices: q/o, k/v, gate/up, down, LM head.
 const SHAPES: [(usize, usize); 5] = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)];
@@ -57,6 +60,18 @@ fn bench_matvec(c: &mut Criterion) {
             let m = MatRef::new(weights, rows, cols);
             group.throughput(Throughput::Bytes(m.bytes() as u64));
             group.bench_function(format!("{name} threaded"), |b| b.iter(|| matvec(m, &x, &mut y)));
+            // A float matrix whose activations overflow L1 as the model
+            // stores it: in column parts.
+            let parts = parts_for(m.weights.ty(), cols);
+            if parts > 1 {
+                let mut split = vec![0u32; m.bytes().div_ceil(4)];
+                let bytes = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut split)[..m.bytes()];
+                split_columns(m.weights.ty(), rows, cols, parts, m.weights.as_bytes(), bytes);
+                let w = ColumnParts::new(Weights::from_bytes(m.weights.ty(), bytes).unwrap(), rows, cols, parts);
+                group.bench_function(format!("{name} in {parts} column parts threaded"), |b| {
+                    b.iter(|| matvec_parts(pool::global(), w, &x, &mut y))
+                });
+            }
             for isa in Isa::supported() {
                 group.bench_function(format!("{name} {} 1 thread", isa.name()), |b| {
                     b.iter(|| matvec_with(isa, m, &x, &mut y))

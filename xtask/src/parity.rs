@@ -15,7 +15,9 @@
 //!    token-by-token path (`--prefill-chunk 1`) within a relative
 //!    [`BATCH_TOLERANCE`].
 //!
-//! Each prompt is checked at both precisions of the batched products, each
+//! Each prompt is checked at both precisions of the batched products (the
+//! exact one twice: weights as mapped, and copied into huge pages as `serve`,
+//! `chat` and `bench` hold them, float o and down in column parts), each
 //! against its own bar ([`BARS`]): `exact` (f32-class) as above, and `fast`
 //! (activations rounded to BF16 where the CPU has BF16 dot products), which
 //! rounds by design: greedy ids up to the first reference margin below 0.25
@@ -29,7 +31,13 @@ use std::process::Command;
 
 /// What one precision must meet.
 struct Bar {
+    /// How the results name it.
+    name: &'static str,
     precision: &'static str,
+    /// Whether ember copies the weights into huge pages as `serve`, `chat`
+    /// and `bench` do (`EMBER_HUGE_PAGES=1`), laying float o and down out in
+    /// column parts.
+    huge_pages: bool,
     /// Steps whose reference margin is below this are where comparison ends.
     margin: f64,
     /// Largest allowed |ember - transformers| of a top-10 logit.
@@ -39,10 +47,26 @@ struct Bar {
     batch: Option<f64>,
 }
 
-/// The exact bar, then the fast one.
-const BARS: [Bar; 2] = [
-    Bar { precision: "exact", margin: 0.02, logits: 2e-3, batch: Some(BATCH_TOLERANCE) },
-    Bar { precision: "fast", margin: 0.25, logits: 0.1, batch: None },
+/// The exact bar (weights as mapped, then as the long-running commands hold
+/// them), then the fast one.
+const BARS: [Bar; 3] = [
+    Bar {
+        name: "exact",
+        precision: "exact",
+        huge_pages: false,
+        margin: 0.02,
+        logits: 2e-3,
+        batch: Some(BATCH_TOLERANCE),
+    },
+    Bar {
+        name: "exact, huge pages",
+        precision: "exact",
+        huge_pages: true,
+        margin: 0.02,
+        logits: 2e-3,
+        batch: Some(BATCH_TOLERANCE),
+    },
+    Bar { name: "fast", precision: "fast", huge_pages: false, margin: 0.25, logits: 0.1, batch: None },
 ];
 /// Exact precision's batched-vs-token-by-token bar.
 const BATCH_TOLERANCE: f64 = 1e-4;
@@ -133,15 +157,15 @@ pub fn run(args: &[String]) -> Result<()> {
             match check(&ember, &model, r, prompt.as_ref(), bar) {
                 Ok(summary) => {
                     passed += 1;
-                    println!("ok    {:<5} {:<14} {summary}", bar.precision, r.name);
+                    println!("ok    {:<17} {:<14} {summary}", bar.name, r.name);
                 }
                 Err(e) => {
                     failed += 1;
-                    println!("FAIL  {:<5} {:<14} {e:#}", bar.precision, r.name);
+                    println!("FAIL  {:<17} {:<14} {e:#}", bar.name, r.name);
                 }
             }
         }
-        println!("parity ({} precision): {passed} passed, {failed} failed", bar.precision);
+        println!("parity ({}): {passed} passed, {failed} failed", bar.name);
         failures += failed;
     }
     match check_sequences(&model, &refs) {
@@ -163,7 +187,8 @@ pub fn run(args: &[String]) -> Result<()> {
 fn report_quantized(ember: &Path, model: &Path, refs: &[(Reference, Option<Prompt>)], quant: &str) -> Result<()> {
     for (r, prompt) in refs {
         let max_tokens = r.greedy_ids.len().max(1).to_string();
-        let (got, via) = run_ember(ember, model, r, prompt.as_ref(), &["--max-tokens", &max_tokens, "--quant", quant])?;
+        let (got, via) =
+            run_ember(ember, model, r, prompt.as_ref(), &["--max-tokens", &max_tokens, "--quant", quant], false)?;
         let same = got.ids.iter().zip(&r.greedy_ids).take_while(|(a, b)| a == b).count();
         let at = if same < r.greedy_ids.len() {
             format!(" (first difference at step {same}, transformers' margin there {:.3})", r.margins[same])
@@ -249,8 +274,10 @@ fn run_ember(
     r: &Reference,
     prompt: Option<&Prompt>,
     extra: &[&str],
+    huge_pages: bool,
 ) -> Result<(EmberOut, &'static str)> {
     let mut cmd = Command::new(ember);
+    cmd.env("EMBER_HUGE_PAGES", if huge_pages { "1" } else { "0" });
     cmd.arg("--model").arg(model);
     cmd.args(["--temperature", "0", "--json", "--top-logits", "20", "--seed", "0"]);
     cmd.args(extra);
@@ -277,7 +304,8 @@ fn run_ember(
 fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>, bar: &Bar) -> Result<String> {
     let max_tokens = r.greedy_ids.len().max(1).to_string();
     let precision = ["--precision", bar.precision];
-    let (got, via) = run_ember(ember, model, r, prompt, &[&["--max-tokens", &max_tokens][..], &precision].concat())?;
+    let (got, via) =
+        run_ember(ember, model, r, prompt, &[&["--max-tokens", &max_tokens][..], &precision].concat(), bar.huge_pages)?;
     if got.prompt_ids != r.prompt_ids {
         bail!("prompt ids ({via}) differ:\n  ember        {:?}\n  transformers {:?}", got.prompt_ids, r.prompt_ids);
     }
@@ -317,7 +345,7 @@ fn check(ember: &Path, model: &Path, r: &Reference, prompt: Option<&Prompt>, bar
     let mut batched = String::new();
     if let Some(tolerance) = bar.batch {
         let one_by_one = [&["--max-tokens", "1", "--prefill-chunk", "1"][..], &precision].concat();
-        let (one, _) = run_ember(ember, model, r, prompt, &one_by_one)?;
+        let (one, _) = run_ember(ember, model, r, prompt, &one_by_one, bar.huge_pages)?;
         let scale = one.top_logits.logits.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         let mut batch_diff: f64 = 0.0;
         for (id, want) in one.top_logits.ids.iter().zip(&one.top_logits.logits) {

@@ -26,6 +26,7 @@
 //! | [`attention`] | attention of a batch of query rows, each over its own sequence's cached keys and values |
 //! | [`dot`] | f32 vector kernels of attention (`q · k`, `o += p · v`) |
 //! | [`pool`] | the persistent thread pool, and [`pool::SharedMut`] for disjoint parallel writes |
+//! | [`parts`] | matrices stored in column parts, so a float mat-vec's activations stay in L1; the products over them |
 //! | [`ops`] | RMSNorm, rotate-half RoPE, softmax, SiLU-gated multiply, residual add |
 //! | [`bandwidth`] | a memory-read probe: the ceiling mat-vec is measured against |
 //!
@@ -44,6 +45,7 @@ pub mod gemm_int8;
 pub mod matmul;
 pub mod matvec;
 pub mod ops;
+pub mod parts;
 pub mod pool;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -52,4 +54,5 @@ pub use cpu::{Isa, Tier};
 pub use formats::{bf16, f16, Format, MatRef, WeightType, Weights};
 pub use matmul::{matmul, matmul_swiglu, matmul_with, matmuls, Precision};
 pub use matvec::{matvec, matvec_swiglu, matvec_with, matvecs};
+pub use parts::{matmul_parts, matvec_parts, ColumnParts};
 pub use pool::ThreadPool;

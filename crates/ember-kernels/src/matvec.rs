@@ -258,6 +258,61 @@ pub fn matvec(w: MatRef, x: &[f32], y: &mut [f32]) {
     matvecs(pool::global(), x, [(w, y)]);
 }
 
+/// `y = W @ x` over a matrix stored in column parts, as one parallel
+/// section: the parts' rows are one list handed out in guided [`Chunks`]
+/// (as [`matvecs`] does with several matrices), part 0's products written
+/// to `y` and part k's to row k-1 of `sums (parts - 1, rows)`, which are
+/// added to `y` when all are done. No thread waits for another between
+/// parts, and a thread slowed by the machine's neighbours hands rows over.
+/// `w (rows, cols)` of a float type, `x (cols,)`, `y (rows,)`.
+pub(crate) fn matvec_in_parts(
+    pool: &ThreadPool,
+    w: crate::parts::ColumnParts,
+    x: &[f32],
+    y: &mut [f32],
+    sums: &mut [f32],
+) {
+    let (rows, parts) = (w.rows(), w.parts());
+    assert_eq!(x.len(), w.cols(), "x length");
+    assert_eq!(y.len(), rows, "y length");
+    assert_eq!(sums.len(), (parts - 1) * rows, "sums length");
+    assert!(w.part(0).1.weights.ty().is_float(), "f32 activations");
+    let isa = Isa::active();
+    let threads = threads_for(pool, rows * w.cols());
+    let chunks = Chunks::new(parts * rows, threads, ROW_ALIGN, MIN_CHUNK);
+    {
+        let (y, sums) = (SharedMut::new(&mut *y), SharedMut::new(&mut *sums));
+        let work = |_t: usize, _n: usize| {
+            while let Some(r) = chunks.next_chunk() {
+                for k in 0..parts {
+                    let (lo, hi) = (r.start.max(k * rows), r.end.min((k + 1) * rows));
+                    if lo >= hi {
+                        continue;
+                    }
+                    let (c, m) = w.part(k);
+                    let acts = Acts { f32: &x[c], a8: &[], a8k: &[], a8x4: &[] };
+                    // SAFETY: chunks of the row list are disjoint, and part
+                    // k's rows are `y`'s (k = 0) or row k-1 of `sums`.
+                    let out = unsafe {
+                        match k {
+                            0 => y.range(lo, hi),
+                            _ => sums.range(lo - rows, hi - rows),
+                        }
+                    };
+                    matvec_rows(isa, m.rows(lo - k * rows, hi - k * rows), &acts, out);
+                }
+            }
+        };
+        match threads {
+            1 => work(0, 1),
+            _ => pool.run(work),
+        }
+    }
+    for s in sums.chunks_exact(rows) {
+        y.iter_mut().zip(s).for_each(|(a, b)| *a += b);
+    }
+}
+
 /// Several mat-vecs of the same input as one parallel section:
 /// `y_i = W_i @ x` for each `(W_i (rows_i, cols), y_i (rows_i,))`.
 ///

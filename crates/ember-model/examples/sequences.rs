@@ -16,7 +16,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let max_tokens: usize = max_tokens.parse()?;
     let prompts: Vec<Vec<u32>> = args.map(|a| serde_json::from_str(&a)).collect::<Result<_, _>>()?;
-    let model = Model::load(&dir)?;
+    // As a server loads it: weights copied into huge pages, o and down in
+    // column parts where the type calls for them.
+    let model = Model::builder(&dir).huge_pages(true).load()?;
     let options =
         GenerateOptions { max_tokens, sampler: SamplerConfig::greedy(), stop_at_eos: false, ..Default::default() };
     let context = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_tokens;

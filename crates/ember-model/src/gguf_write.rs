@@ -149,7 +149,9 @@ pub fn write_gguf(src: &Path, store: &TensorStore, model: &Qwen2, file_type: u32
             // Likewise INT5, as Q5_0.
             (ggml_type(WeightType::Q5_0, &t.name, out)?, std::borrow::Cow::Owned(BlockQ5::q5_0_bytes(t.as_bytes())))
         } else {
-            (ggml_type(t.dtype, &t.name, out)?, std::borrow::Cow::Borrowed(t.as_bytes()))
+            // The file's layout, gathered where the model stored a matrix in
+            // column parts.
+            (ggml_type(t.dtype, &t.name, out)?, t.row_major_bytes())
         };
         tensors.push(Out { name, ty, dims, data });
     }

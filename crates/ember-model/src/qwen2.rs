@@ -25,7 +25,8 @@ use ember_kernels::attention::{attention, AttnShape};
 use ember_kernels::ops::{add_assign, add_bias, rmsnorm, rope_rotate_half, Rope};
 use ember_kernels::pool;
 use ember_kernels::{
-    matmul, matmul_swiglu, matmuls, matvec, matvec_swiglu, matvecs, Isa, MatRef, Precision, WeightType,
+    matmul, matmul_parts, matmul_swiglu, matmuls, matvec, matvec_parts, matvec_swiglu, matvecs, Isa, MatRef, Precision,
+    WeightType,
 };
 use std::time::{Duration, Instant};
 
@@ -301,19 +302,46 @@ impl Qwen2 {
     /// returns the bytes copied, 0 where it does not. Decoding reads the same
     /// bytes faster from huge pages (fewer TLB misses, page walks and
     /// restarts of the hardware prefetchers, which stop at 4 KiB pages): 4–5%
-    /// more tokens a second measured on Emerald Rapids. The model computes
-    /// the same bits either way. [`ModelBuilder::huge_pages`](crate::ModelBuilder::huge_pages)
-    /// asks for it at load (and says what it costs); an error (no memory
-    /// for the copy) leaves the weights where they were.
+    /// more tokens a second measured on Emerald Rapids.
+    ///
+    /// The copy also lays each float `o_proj` and `down_proj` whose f32
+    /// activations would not stay in L1 out in column parts
+    /// ([`ember_kernels::parts`]; BF16 down at 4864 columns: 4 parts): on
+    /// Zen 4, 2 threads, that took BF16 down from 64–65% of the read ceiling
+    /// to 75–82% with the memory at 54–60 GB/s (84–92% → 96% at 33 GB/s).
+    /// Those products then sum their parts, so the logits agree with the
+    /// file's layout to f32 rounding rather than bit for bit; everything
+    /// else computes the same bits.
+    ///
+    /// [`ModelBuilder::huge_pages`](crate::ModelBuilder::huge_pages) asks for
+    /// it at load (and says what it costs); an error (no memory for the
+    /// copy) leaves the weights where they were.
     pub fn copy_to_huge_pages(&mut self) -> Result<usize> {
         if !crate::weights::transparent_huge_pages() {
             return Ok(0);
         }
-        let mut tensors: Vec<&mut Tensor> = vec![&mut self.embed_tokens, &mut self.lm_head];
+        self.copy_with_parts(ember_kernels::parts::parts_for)
+    }
+
+    /// [`Qwen2::copy_to_huge_pages`] with the column parts `policy` gives
+    /// (type, columns) for o and down.
+    pub(crate) fn copy_with_parts(&mut self, policy: fn(WeightType, usize) -> usize) -> Result<usize> {
+        let mut tensors: Vec<(&mut Tensor, bool)> = vec![(&mut self.embed_tokens, false), (&mut self.lm_head, false)];
         for layer in &mut self.layers {
-            tensors.extend(layer.matrices_mut().map(|m| &mut m.weight));
+            // o and down go through `project`, which reads column parts;
+            // the fused q/k/v and gate/up products read whole rows.
+            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+            tensors.extend([
+                (&mut a.q_proj.weight, false),
+                (&mut a.k_proj.weight, false),
+                (&mut a.v_proj.weight, false),
+                (&mut a.o_proj.weight, true),
+                (&mut m.gate_proj.weight, false),
+                (&mut m.up_proj.weight, false),
+                (&mut m.down_proj.weight, true),
+            ]);
         }
-        crate::weights::copy_to_huge_pages(&mut tensors)
+        crate::weights::copy_to_huge_pages(&mut tensors, policy)
     }
 
     /// Takes every tensor the config calls for from `store`, checking shapes.
@@ -561,11 +589,13 @@ impl Qwen2 {
 
     /// `y (T, out) = x (T, in) @ Wᵀ + b`: a mat-vec for one row, a matrix
     /// product for more.
+    /// The weights may be stored in column parts ([`Qwen2::copy_to_huge_pages`]).
     fn project(&self, p: &Linear, x: &[f32], y: &mut [f32]) {
-        if x.len() == p.matrix().cols {
-            matvec(p.matrix(), x, y);
+        let w = p.weight.parts();
+        if x.len() == w.cols() {
+            matvec_parts(pool::global(), w, x, y);
         } else {
-            matmul(pool::global(), self.precision, p.matrix(), x, y);
+            matmul_parts(pool::global(), self.precision, w, x, y);
         }
         p.add_bias(y);
     }

@@ -6,7 +6,8 @@
 //! never copied to f32, and pages are read from disk only when first touched.
 
 use crate::error::{Error, Result};
-use ember_kernels::{MatRef, WeightType, Weights};
+use ember_kernels::parts::split_columns;
+use ember_kernels::{ColumnParts, MatRef, WeightType, Weights};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
@@ -80,6 +81,9 @@ pub struct Tensor {
     storage: Arc<Storage>,
     start: usize,
     len: usize,
+    /// How many column parts a matrix is stored in ([`ColumnParts`]): 1
+    /// (row-major, as in the file) unless the model laid it out anew.
+    parts: usize,
 }
 
 impl std::fmt::Debug for Tensor {
@@ -89,7 +93,9 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    /// The raw stored bytes.
+    /// The raw stored bytes: row-major as in the file, or in column parts
+    /// where the model laid a matrix out for decoding ([`Tensor::parts`];
+    /// [`Tensor::row_major_bytes`] either way).
     pub fn as_bytes(&self) -> &[u8] {
         &self.storage.bytes()[self.start..self.start + self.len]
     }
@@ -99,22 +105,63 @@ impl Tensor {
         self.shape.iter().product()
     }
 
-    /// The data as kernel weights, borrowed (no copy).
+    /// The data as kernel weights, borrowed (no copy), in the stored layout
+    /// ([`Tensor::as_bytes`]).
     pub fn weights(&self) -> Weights<'_> {
         // Length and alignment were checked (or fixed by copying) when the
         // file was opened.
         Weights::from_bytes(self.dtype, self.as_bytes()).expect("data checked at load")
     }
 
-    /// A 2-D tensor as a matrix `(shape[0], shape[1])`.
+    /// A 2-D tensor stored row-major as a matrix `(shape[0], shape[1])`.
+    /// Panics if it is not a matrix or is stored in column parts (a bug:
+    /// only the products that read [`Tensor::parts`] get those).
     pub fn matrix(&self) -> MatRef<'_> {
         assert_eq!(self.shape.len(), 2, "{} is not a matrix", self.name);
+        assert_eq!(self.parts, 1, "{} is stored in column parts", self.name);
         MatRef::new(self.weights(), self.shape[0], self.shape[1])
     }
 
-    /// The values widened to f32 (for small tensors: norms, biases).
+    /// A 2-D tensor as a matrix `(shape[0], shape[1])` in the column parts it
+    /// is stored in (one part: row-major). Panics if it is not a matrix.
+    pub fn parts(&self) -> ColumnParts<'_> {
+        assert_eq!(self.shape.len(), 2, "{} is not a matrix", self.name);
+        ColumnParts::new(self.weights(), self.shape[0], self.shape[1], self.parts)
+    }
+
+    /// The bytes in the file's row-major layout: borrowed, or gathered from
+    /// the column parts.
+    pub fn row_major_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        if self.parts == 1 {
+            return std::borrow::Cow::Borrowed(self.as_bytes());
+        }
+        let m = self.parts();
+        let mut out = vec![0u8; self.len];
+        let row = self.len / m.rows();
+        for k in 0..m.parts() {
+            let (c, part) = m.part(k);
+            let bytes = part.weights.as_bytes();
+            let part_row = bytes.len() / m.rows();
+            let at = c.start / self.dtype.block_len() * self.dtype.block_bytes();
+            for (r, src) in bytes.chunks_exact(part_row).enumerate() {
+                out[r * row + at..r * row + at + part_row].copy_from_slice(src);
+            }
+        }
+        std::borrow::Cow::Owned(out)
+    }
+
+    /// The values widened to f32 (for small tensors: norms, biases), in
+    /// row-major order.
     pub fn to_f32_vec(&self) -> Vec<f32> {
-        self.weights().to_f32_vec()
+        if self.parts == 1 {
+            return self.weights().to_f32_vec();
+        }
+        let m = self.parts();
+        let mut out = vec![0.0f32; m.rows() * m.cols()];
+        for (r, row) in out.chunks_exact_mut(m.cols()).enumerate() {
+            m.row_to_f32(r, row);
+        }
+        out
     }
 
     /// Bytes of data.
@@ -128,9 +175,9 @@ impl Tensor {
     /// [`Tensor::can_quantize`].
     pub fn quantize(&self, q: WeightType) -> Tensor {
         assert!(self.can_quantize(), "{} cannot be quantized", self.name);
-        let m = self.matrix();
-        assert!(m.cols.is_multiple_of(q.block_len()), "{}: rows are not whole {q} blocks", self.name);
-        let (rows, cols) = (m.rows, m.cols);
+        let m = self.parts();
+        let (rows, cols) = (m.rows(), m.cols());
+        assert!(cols.is_multiple_of(q.block_len()), "{}: rows are not whole {q} blocks", self.name);
         let row_bytes = cols / q.block_len() * q.block_bytes();
         let mut owned = vec![0u32; (rows * row_bytes).div_ceil(4)];
         {
@@ -155,6 +202,7 @@ impl Tensor {
             storage: Arc::new(Storage::Owned(owned)),
             start: 0,
             len: rows * row_bytes,
+            parts: 1,
         }
     }
 
@@ -173,6 +221,7 @@ impl Tensor {
             len: owned.len() * 4,
             storage: Arc::new(Storage::Owned(owned)),
             start: 0,
+            parts: 1,
         }
     }
 
@@ -236,22 +285,42 @@ pub(crate) fn huge_page_map(bytes: usize, what: &'static str) -> Result<(memmap2
 /// 0.8 s), and 1.8 s for BF16's 0.99 GB in a one-shot run, most of it the
 /// kernel clearing fresh pages (`clear_page_erms`) on that VM.
 ///
+/// Each tensor paired with `true` (a matrix that only products over
+/// [`ColumnParts`] read) is laid out in the column parts `policy` chooses
+/// for its type and width ([`ember_kernels::parts::parts_for`]: so that a
+/// float mat-vec's activations stay in L1).
+///
 /// On an error (no memory for the copy) the tensors are left as they were.
-pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
+pub(crate) fn copy_to_huge_pages(
+    tensors: &mut [(&mut Tensor, bool)],
+    policy: fn(WeightType, usize) -> usize,
+) -> Result<usize> {
     // Where each distinct tensor goes (64-byte aligned: a cache line, more
     // than any weight type needs), and which earlier tensor a repeat shares.
     let mut offsets = Vec::with_capacity(tensors.len());
-    // The distinct tensors, (index, offset): what is copied.
+    // The distinct tensors, (index, offset, column parts): what is copied.
     let mut distinct = Vec::with_capacity(tensors.len());
+    // Each tensor's column parts after the copy.
+    let mut layouts = Vec::with_capacity(tensors.len());
     let mut total = 0usize;
-    for (i, t) in tensors.iter().enumerate() {
-        match tensors[..i].iter().position(|o| o.same_data(t)) {
-            Some(j) => offsets.push(offsets[j]),
+    for (i, (t, split)) in tensors.iter().enumerate() {
+        match tensors[..i].iter().position(|(o, _)| o.same_data(t)) {
+            Some(j) => {
+                offsets.push(offsets[j]);
+                layouts.push(layouts[j]);
+            }
             None => {
                 let at = total.next_multiple_of(64);
                 total = at + t.len;
+                // Data two tensors share keeps its layout.
+                let shared = tensors[i + 1..].iter().any(|(o, _)| o.same_data(t));
+                let parts = match *split && !shared && t.shape.len() == 2 && t.parts == 1 {
+                    true => policy(t.dtype, t.shape[1]),
+                    false => t.parts,
+                };
                 offsets.push(at);
-                distinct.push((i, at));
+                layouts.push(parts);
+                distinct.push((i, at, parts));
             }
         }
     }
@@ -263,13 +332,25 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
         // Split the copy across the pool: it is the page faults (zeroing
         // each huge page) and the reads from the file that take the time.
         let dst = ember_kernels::pool::SharedMut::new(&mut map[base..base + total]);
+        let tensors = &*tensors;
         ember_kernels::pool::global().run(|th, n| {
-            for &(i, at) in &distinct {
-                let src = tensors[i].as_bytes();
+            for (j, &(i, at, parts)) in distinct.iter().enumerate() {
+                let t = &tensors[i].0;
+                let src = t.as_bytes();
+                if parts != t.parts {
+                    // Laid out anew: a whole matrix a thread, taking turns.
+                    if j % n == th {
+                        // SAFETY: distinct tensors have disjoint ranges of
+                        // the copy, and one thread writes this one.
+                        let out = unsafe { dst.range(at, at + src.len()) };
+                        split_columns(t.dtype, t.shape[0], t.shape[1], parts, src, out);
+                    }
+                    continue;
+                }
                 let (a, b) = ember_kernels::pool::share(src.len(), th, n, HUGE_PAGE);
                 if a < b {
-                    // SAFETY: distinct tensors have disjoint ranges of the copy,
-                    // and threads disjoint parts of each.
+                    // SAFETY: distinct tensors have disjoint ranges of the
+                    // copy, and threads disjoint parts of each.
                     unsafe { dst.range(at + a, at + b) }.copy_from_slice(&src[a..b]);
                 }
             }
@@ -278,9 +359,10 @@ pub(crate) fn copy_to_huge_pages(tensors: &mut [&mut Tensor]) -> Result<usize> {
     let oom = |_| Error::OutOfMemory { what: "the weights' copy in huge pages", bytes: total + HUGE_PAGE };
     let map = map.make_read_only().map_err(oom)?;
     let storage = Arc::new(Storage::Huge { map, base });
-    for (t, at) in tensors.iter_mut().zip(offsets) {
+    for ((t, _), (at, parts)) in tensors.iter_mut().zip(offsets.into_iter().zip(layouts)) {
         t.storage = storage.clone();
         t.start = at;
+        t.parts = parts;
     }
     Ok(total)
 }
@@ -608,6 +690,7 @@ impl TensorStore {
             storage: self.files[e.file].1.clone(),
             start: e.start,
             len: e.len,
+            parts: 1,
         })
     }
 }
@@ -748,14 +831,17 @@ mod tests {
                 all
             };
             let (old, tied) = (bytes(&model), model.lm_head.same_data(&model.embed_tokens));
-            let mut tensors: Vec<&mut Tensor> = vec![&mut model.embed_tokens, &mut model.lm_head];
+            let mut tensors: Vec<(&mut Tensor, bool)> =
+                vec![(&mut model.embed_tokens, true), (&mut model.lm_head, true)];
             for l in &mut model.layers {
-                tensors.extend(l.matrices_mut().map(|p| &mut p.weight));
+                tensors.extend(l.matrices_mut().map(|p| (&mut p.weight, true)));
             }
             let distinct = old.iter().map(Vec::len).sum::<usize>() - if tied { old[0].len() } else { 0 };
-            let copied = copy_to_huge_pages(&mut tensors).unwrap();
+            // The tiny model's matrices are too narrow to split.
+            let copied = copy_to_huge_pages(&mut tensors, ember_kernels::parts::parts_for).unwrap();
             assert!(copied >= distinct && copied < distinct + 64 * tensors.len(), "{copied} for {distinct}");
-            for t in &tensors {
+            for (t, _) in &tensors {
+                assert_eq!(t.parts, 1, "{}", t.name);
                 assert!(matches!(*t.storage, Storage::Huge { .. }), "{} not in the copy", t.name);
                 assert_eq!(t.as_bytes().as_ptr() as usize % 64, 0, "{} unaligned", t.name);
             }
@@ -763,6 +849,53 @@ mod tests {
             assert_eq!(bytes(&model), old, "{quant:?}");
             let after = model.new_state(16).run(&model, &tokens, true).unwrap().unwrap().to_vec();
             assert_eq!(after, before, "{quant:?}");
+        }
+    }
+
+    /// o and down laid out in column parts (forced on the tiny model, whose
+    /// down has 160 columns: parts of 128 and 32) keep their values and give
+    /// the logits of the file's layout to f32 rounding, in prefill (a
+    /// matrix product, as several sequences decoding are) and decode (a
+    /// mat-vec); the fused products are never split.
+    #[test]
+    fn column_parts_compute_the_same_logits() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-chat");
+        for quant in [None, Some(WeightType::Int8)] {
+            let mut model = crate::model::load_qwen2(&dir).unwrap();
+            if let Some(q) = quant {
+                model.quantize(&q.into()).unwrap();
+            }
+            let logits = |m: &crate::qwen2::Qwen2| {
+                let mut state = m.new_state(16);
+                let mut all = state.run(m, &[1u32, 5, 9, 2, 7], true).unwrap().unwrap().to_vec();
+                for t in [4u32, 8, 3] {
+                    all.extend_from_slice(state.run(m, &[t], true).unwrap().unwrap());
+                }
+                all
+            };
+            let before = logits(&model);
+            let old: Vec<Vec<f32>> = model.layers.iter().map(|l| l.mlp.down_proj.weight.to_f32_vec()).collect();
+            let old_bytes: Vec<Vec<u8>> =
+                model.layers.iter().map(|l| l.mlp.down_proj.weight.as_bytes().to_vec()).collect();
+            fn two(ty: WeightType, cols: usize) -> usize {
+                if ty.is_float() && cols >= 128 {
+                    2
+                } else {
+                    1
+                }
+            }
+            model.copy_with_parts(two).unwrap();
+            for (l, (old, old_bytes)) in model.layers.iter().zip(old.iter().zip(&old_bytes)) {
+                let down = &l.mlp.down_proj.weight;
+                assert_eq!(down.parts().parts(), if quant.is_none() { 2 } else { 1 }, "{quant:?}");
+                assert_eq!(&down.to_f32_vec(), old);
+                assert_eq!(&*down.row_major_bytes(), &old_bytes[..]);
+                for p in [&l.self_attn.q_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.self_attn.o_proj] {
+                    assert_eq!(p.weight.parts().parts(), 1, "{} (64 columns, or fused)", p.weight.name);
+                }
+            }
+            let after = logits(&model);
+            approx::assert_relative_eq!(&after[..], &before[..], max_relative = 1e-5, epsilon = 1e-5);
         }
     }
 
