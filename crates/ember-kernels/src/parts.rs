@@ -92,11 +92,6 @@ impl<'a> ColumnParts<'a> {
         ColumnParts { weights, rows, cols, parts }
     }
 
-    /// A row-major matrix as one part.
-    pub fn whole(m: MatRef<'a>) -> Self {
-        ColumnParts { weights: m.weights, rows: m.rows, cols: m.cols, parts: 1 }
-    }
-
     /// Rows (outputs of a product).
     pub fn rows(&self) -> usize {
         self.rows
@@ -140,17 +135,44 @@ impl<'a> ColumnParts<'a> {
 /// as `parts` column parts ([`ColumnParts`]) in `dst`, as many bytes.
 /// Panics if the sizes disagree.
 pub fn split_columns(ty: WeightType, rows: usize, cols: usize, parts: usize, src: &[u8], dst: &mut [u8]) {
-    let block = ty.block_len();
-    let bytes = |c: usize| c / block * ty.block_bytes();
-    assert_eq!(src.len(), rows * bytes(cols), "source size");
-    assert_eq!(dst.len(), src.len(), "destination size");
-    for k in 0..parts {
-        let c = part_range(cols, parts, k);
-        let part = &mut dst[rows * bytes(c.start)..rows * bytes(c.end)];
-        for (r, o) in part.chunks_exact_mut(bytes(c.len())).enumerate() {
-            o.copy_from_slice(&src[r * bytes(cols) + bytes(c.start)..r * bytes(cols) + bytes(c.end)]);
-        }
+    check_sizes(ty, rows, cols, src, dst);
+    for (row_major, parted) in part_rows(ty, rows, cols, parts) {
+        dst[parted].copy_from_slice(&src[row_major]);
     }
+}
+
+/// The inverse of [`split_columns`]: the `parts` column parts `src` laid
+/// back out row-major in `dst`.
+pub fn join_columns(ty: WeightType, rows: usize, cols: usize, parts: usize, src: &[u8], dst: &mut [u8]) {
+    check_sizes(ty, rows, cols, src, dst);
+    for (row_major, parted) in part_rows(ty, rows, cols, parts) {
+        dst[row_major].copy_from_slice(&src[parted]);
+    }
+}
+
+fn check_sizes(ty: WeightType, rows: usize, cols: usize, src: &[u8], dst: &[u8]) {
+    assert_eq!(src.len(), rows * cols / ty.block_len() * ty.block_bytes(), "source size");
+    assert_eq!(dst.len(), src.len(), "destination size");
+}
+
+/// Each part's rows, part by part: the bytes of one row's columns of the
+/// part in the row-major layout, and the same bytes in the parts layout.
+fn part_rows(
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    parts: usize,
+) -> impl Iterator<Item = (Range<usize>, Range<usize>)> {
+    let bytes = move |c: usize| c / ty.block_len() * ty.block_bytes();
+    (0..parts).flat_map(move |k| {
+        let c = part_range(cols, parts, k);
+        let (start, len) = (bytes(c.start), bytes(c.len()));
+        (0..rows).map(move |r| {
+            let row_major = r * bytes(cols) + start;
+            let parted = rows * start + r * len;
+            (row_major..row_major + len, parted..parted + len)
+        })
+    })
 }
 
 /// `y = W @ x` over a matrix in column parts, rows split across `pool` in

@@ -6,7 +6,7 @@
 //! never copied to f32, and pages are read from disk only when first touched.
 
 use crate::error::{Error, Result};
-use ember_kernels::parts::split_columns;
+use ember_kernels::parts::{join_columns, split_columns};
 use ember_kernels::{ColumnParts, MatRef, WeightType, Weights};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -135,18 +135,8 @@ impl Tensor {
         if self.parts == 1 {
             return std::borrow::Cow::Borrowed(self.as_bytes());
         }
-        let m = self.parts();
         let mut out = vec![0u8; self.len];
-        let row = self.len / m.rows();
-        for k in 0..m.parts() {
-            let (c, part) = m.part(k);
-            let bytes = part.weights.as_bytes();
-            let part_row = bytes.len() / m.rows();
-            let at = c.start / self.dtype.block_len() * self.dtype.block_bytes();
-            for (r, src) in bytes.chunks_exact(part_row).enumerate() {
-                out[r * row + at..r * row + at + part_row].copy_from_slice(src);
-            }
-        }
+        join_columns(self.dtype, self.shape[0], self.shape[1], self.parts, self.as_bytes(), &mut out);
         std::borrow::Cow::Owned(out)
     }
 
@@ -809,18 +799,24 @@ mod tests {
         }
     }
 
+    /// The tiny model, its matrices quantized to `quant` at load if given.
+    fn tiny_model(quant: Option<WeightType>) -> crate::qwen2::Qwen2 {
+        let mut model =
+            crate::model::load_qwen2(&Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-chat")).unwrap();
+        if let Some(q) = quant {
+            model.quantize(&q.into()).unwrap();
+        }
+        model
+    }
+
     /// The copy into huge pages (called directly, so it runs where the
     /// kernel offers none too) keeps every byte, keeps a tied LM head one
     /// copy with the embedding, aligns every tensor, and the model computes
     /// the same logits from it, for stored and for quantized-at-load weights.
     #[test]
     fn weights_copied_to_huge_pages_compute_the_same_bits() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-chat");
         for quant in [None, Some(WeightType::Int8)] {
-            let mut model = crate::model::load_qwen2(&dir).unwrap();
-            if let Some(q) = quant {
-                model.quantize(&q.into()).unwrap();
-            }
+            let mut model = tiny_model(quant);
             let tokens = [1u32, 5, 9, 2, 7];
             let before = model.new_state(16).run(&model, &tokens, true).unwrap().unwrap().to_vec();
             let bytes = |m: &crate::qwen2::Qwen2| {
@@ -859,12 +855,8 @@ mod tests {
     /// mat-vec); the fused products are never split.
     #[test]
     fn column_parts_compute_the_same_logits() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-chat");
         for quant in [None, Some(WeightType::Int8)] {
-            let mut model = crate::model::load_qwen2(&dir).unwrap();
-            if let Some(q) = quant {
-                model.quantize(&q.into()).unwrap();
-            }
+            let mut model = tiny_model(quant);
             let logits = |m: &crate::qwen2::Qwen2| {
                 let mut state = m.new_state(16);
                 let mut all = state.run(m, &[1u32, 5, 9, 2, 7], true).unwrap().unwrap().to_vec();
