@@ -104,6 +104,17 @@ struct Row {
     /// With --phases: microseconds per decoded token spent in `phase`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     us_per_token: Option<f64>,
+    /// With --phases and 2 threads or more: of `us_per_token`, the work
+    /// outside the thread pool's parallel sections, on the thread running
+    /// the pass (norms, RoPE, residual adds, quantizing activations,
+    /// products too small to split).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    serial_us_per_token: Option<f64>,
+    /// With --phases and 2 threads or more: of `us_per_token`, that thread's
+    /// wait at the end of each parallel section, its own share done, for
+    /// the other threads.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    wait_us_per_token: Option<f64>,
     /// With --phases, on the products' rows: the read bandwidth over the
     /// same weights read one forward-pass section at a time (each layer's
     /// q/k/v, o, gate/up, down, then the LM head), what the sections
@@ -237,6 +248,12 @@ fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) ->
         let mut r = row(format!("tg{n}"), threads, &[1.0 / per_token.max(f64::MIN_POSITIVE)]);
         r.phase = Some(p.name().to_string());
         r.us_per_token = Some(per_token * 1e6);
+        if threads > 1 {
+            // One thread has no parallel sections to split the time by.
+            let inside = times.in_sections(p).as_secs_f64() / tokens;
+            r.serial_us_per_token = Some((per_token - inside).max(0.0) * 1e6);
+            r.wait_us_per_token = Some(times.waiting(p).as_secs_f64() / tokens * 1e6);
+        }
         let weights = model.phase_bytes(p);
         if weights > 0 && per_token > 0.0 {
             let gb = weights as f64 / per_token / 1e9;
@@ -309,6 +326,8 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         ttft_ms: None,
         phase: None,
         us_per_token: None,
+        serial_us_per_token: None,
+        wait_us_per_token: None,
         read_by_section_gb_s: None,
     }
 }
@@ -416,8 +435,12 @@ fn print_phases(rows: &[&Row]) {
         println!();
         let plural = if threads == 1 { "" } else { "s" };
         println!("phases of {test}, {threads} thread{plural} (one more generation, timed per phase{read}):");
-        println!("| {:<9} | {:>8} | {:>6} | {:>20} |", "phase", "µs/token", "share", "weights GB/s");
-        println!("| {:-<9} | {:->8} | {:->6} | {:->20} |", "", "", "", "");
+        let head = ["phase", "µs/token", "share", "serial µs", "waiting µs", "weights GB/s"];
+        println!(
+            "| {:<9} | {:>8} | {:>6} | {:>9} | {:>10} | {:>20} |",
+            head[0], head[1], head[2], head[3], head[4], head[5]
+        );
+        println!("| {:-<9} | {:->8} | {:->6} | {:->9} | {:->10} | {:->20} |", "", "", "", "", "", "");
         for r in of {
             let us = r.us_per_token.unwrap_or(0.0);
             let share = if total > 0.0 { 100.0 * us / total } else { 0.0 };
@@ -425,7 +448,10 @@ fn print_phases(rows: &[&Row]) {
                 (Some(g), Some(p)) => format!("{g:.1} ({p:.0}% of read)"),
                 _ => String::new(),
             };
-            println!("| {:<9} | {:>8.1} | {:>5.1}% | {:>20} |", r.phase.as_deref().unwrap_or(""), us, share, gb);
+            let us_or_blank = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
+            let (serial, wait) = (us_or_blank(r.serial_us_per_token), us_or_blank(r.wait_us_per_token));
+            let phase = r.phase.as_deref().unwrap_or("");
+            println!("| {phase:<9} | {us:>8.1} | {share:>5.1}% | {serial:>9} | {wait:>10} | {gb:>20} |");
         }
     }
 }

@@ -496,9 +496,23 @@ fn bench_phases_time_every_part_of_a_decoded_token() {
         assert_eq!(r["gb_s"].is_number(), product, "{r}");
         // Beside the one-pass ceiling, the same bytes read a section at a time.
         assert_eq!(r["read_by_section_gb_s"].as_f64().is_some_and(|g| g > 0.0), product, "{r}");
+        // One thread: no parallel sections to split the time by.
+        assert!(r["serial_us_per_token"].is_null() && r["wait_us_per_token"].is_null(), "{r}");
+    }
+    // Two threads: the time outside the pool's sections, and the wait at
+    // their ends, are parts of each phase's time.
+    let out = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "2", "--phases", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    for r in rows.iter().filter(|r| !r["phase"].is_null()) {
+        let (us, serial, wait) =
+            (r["us_per_token"].as_f64(), r["serial_us_per_token"].as_f64(), r["wait_us_per_token"].as_f64());
+        let (us, serial, wait) = (us.unwrap(), serial.expect("serial time"), wait.expect("waiting time"));
+        assert!(serial >= 0.0 && wait >= 0.0 && serial + wait <= us * 1.0001, "{r}");
     }
     let text = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--phases"]);
     let text = String::from_utf8(text.stdout).unwrap();
     assert!(text.contains("phases of tg4, 1 thread (") && text.contains("| lm head"), "{text}");
     assert!(text.contains(" GB/s in one pass, ") && text.contains(" a section at a time ("), "{text}");
+    assert!(text.contains("| serial µs | waiting µs |"), "{text}");
 }

@@ -8,10 +8,11 @@
 //! derives its own share of rows, with no queue and no allocation per call.
 //! The calling thread is thread 0 and does its share too.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Spins before a worker sleeps: long enough to bridge the gap between two
 /// mat-vecs of one token (tens of microseconds of norms and RoPE), short
@@ -90,8 +91,10 @@ impl ThreadPool {
     /// Runs `f(thread, threads)` once on every thread of the pool and returns
     /// when all have finished. Panics if any of them panicked.
     pub fn run<F: Fn(usize, usize) + Sync>(&self, f: F) {
+        let start = SECTION_TIMES.with(Cell::get).map(|_| Instant::now());
         if self.threads == 1 {
-            return f(0, 1);
+            f(0, 1);
+            return add_section_time(start, None);
         }
         let _guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
@@ -107,6 +110,7 @@ impl ThreadPool {
             s.wake.notify_all();
         }
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.threads)));
+        let own_done = start.map(|_| Instant::now());
         let mut spins = 0u32;
         while s.remaining.load(Ordering::Acquire) != 0 {
             // With more threads than free cores, spinning would starve the
@@ -118,6 +122,7 @@ impl ThreadPool {
                 std::hint::spin_loop();
             }
         }
+        add_section_time(start, own_done);
         unsafe { *s.job.get() = None };
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
@@ -126,6 +131,54 @@ impl ThreadPool {
             panic!("a worker thread panicked in a parallel section");
         }
     }
+}
+
+/// Where the parallel sections a thread starts spend their time
+/// ([`time_sections`]): a decoded token's phases split into the sections'
+/// time and the serial work between them, and the caller's wait at each
+/// section's end for the threads still on their shares.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SectionTimes {
+    /// Sections run.
+    pub sections: u64,
+    /// Time from the start of each section to its end (every thread done).
+    pub inside: Duration,
+    /// Of `inside`, the calling thread's wait after its own share for the
+    /// other threads to finish theirs.
+    pub waiting: Duration,
+}
+
+thread_local! {
+    /// The calling thread's section times, while it times them.
+    static SECTION_TIMES: Cell<Option<SectionTimes>> = const { Cell::new(None) };
+}
+
+/// Starts (`true`, from zero) or stops timing the parallel sections the
+/// calling thread starts on any pool ([`section_times`]). Off, a section
+/// reads no clock; on, it reads three.
+pub fn time_sections(on: bool) {
+    SECTION_TIMES.with(|t| t.set(on.then(SectionTimes::default)));
+}
+
+/// The calling thread's section times since [`time_sections`] turned
+/// timing on, or `None` when it is off.
+pub fn section_times() -> Option<SectionTimes> {
+    SECTION_TIMES.with(Cell::get)
+}
+
+/// Adds a section that started at `start` (timed) and whose caller finished
+/// its own share at `own_done` (`None`: it had all the work).
+fn add_section_time(start: Option<Instant>, own_done: Option<Instant>) {
+    let Some(start) = start else { return };
+    let end = Instant::now();
+    SECTION_TIMES.with(|t| {
+        if let Some(mut times) = t.get() {
+            times.sections += 1;
+            times.inside += end - start;
+            times.waiting += own_done.map_or(Duration::ZERO, |d| end - d);
+            t.set(Some(times));
+        }
+    });
 }
 
 fn worker(s: &Shared, index: usize, threads: usize) {
@@ -330,6 +383,28 @@ impl<'a, T> SharedMut<'a, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn section_times_split_the_callers_wait_from_the_section() {
+        let pool = ThreadPool::new(2);
+        assert_eq!(section_times(), None);
+        time_sections(true);
+        // The worker takes 30 ms, the caller nothing: the caller waits.
+        pool.run(|t, _| {
+            if t == 1 {
+                std::thread::sleep(Duration::from_millis(30));
+            }
+        });
+        // One thread's pool: a section with no wait.
+        ThreadPool::new(1).run(|_, _| std::thread::sleep(Duration::from_millis(5)));
+        let times = section_times().expect("timing is on");
+        assert_eq!(times.sections, 2);
+        assert!(times.waiting >= Duration::from_millis(29), "{times:?}");
+        assert!(times.inside >= times.waiting + Duration::from_millis(5), "{times:?}");
+        time_sections(false);
+        pool.run(|_, _| {});
+        assert_eq!(section_times(), None);
+    }
 
     #[test]
     fn every_thread_runs_once_per_section() {

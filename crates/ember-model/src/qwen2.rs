@@ -690,8 +690,13 @@ impl Scratch {
     /// Starts timing the phases of the forward passes that use these buffers
     /// from zero (`true`), or stops (`false`). Off by default: a pass then
     /// reads no clock.
+    /// The pool's sections are timed too ([`pool::time_sections`]), for
+    /// the thread that runs the passes, until timing is turned off.
     pub fn time_phases(&mut self, on: bool) {
         self.phases = on.then(PhaseTimes::default);
+        if !on {
+            pool::time_sections(false);
+        }
     }
 
     /// The phases' times since [`Scratch::time_phases`] turned timing on.
@@ -764,6 +769,8 @@ pub struct PhaseTimes {
     /// Tokens in them.
     pub tokens: usize,
     times: [Duration; Phase::ALL.len()],
+    inside: [Duration; Phase::ALL.len()],
+    waiting: [Duration; Phase::ALL.len()],
 }
 
 impl PhaseTimes {
@@ -771,12 +778,27 @@ impl PhaseTimes {
     pub fn get(&self, phase: Phase) -> Duration {
         self.times[phase as usize]
     }
+
+    /// Of [`PhaseTimes::get`], the time inside the thread pool's parallel
+    /// sections; the rest is serial work between them on the thread running
+    /// the pass (norms, RoPE, residual adds, quantizing activations).
+    pub fn in_sections(&self, phase: Phase) -> Duration {
+        self.inside[phase as usize]
+    }
+
+    /// Of [`PhaseTimes::in_sections`], the running thread's wait at the
+    /// sections' ends, its own share done, for the pool's other threads.
+    pub fn waiting(&self, phase: Phase) -> Duration {
+        self.waiting[phase as usize]
+    }
 }
 
 /// A forward pass's laps: each [`Clock::lap`] adds the time since the last
-/// to a phase. Without timing on, it holds nothing and reads no clock.
+/// to a phase, and the parallel sections' share of it
+/// ([`pool::section_times`], turned on for the running thread). Without
+/// timing on, it holds nothing and reads no clock.
 struct Clock<'a> {
-    on: Option<(&'a mut PhaseTimes, Instant)>,
+    on: Option<(&'a mut PhaseTimes, Instant, pool::SectionTimes)>,
 }
 
 impl<'a> Clock<'a> {
@@ -784,17 +806,24 @@ impl<'a> Clock<'a> {
         let on = times.map(|t| {
             t.passes += 1;
             t.tokens += tokens;
-            (t, Instant::now())
+            if pool::section_times().is_none() {
+                pool::time_sections(true);
+            }
+            (t, Instant::now(), pool::section_times().unwrap_or_default())
         });
         Clock { on }
     }
 
     #[inline]
     fn lap(&mut self, phase: Phase) {
-        if let Some((times, last)) = &mut self.on {
+        if let Some((times, last, sections)) = &mut self.on {
             let now = Instant::now();
-            times.times[phase as usize] += now - *last;
-            *last = now;
+            let s = pool::section_times().unwrap_or_default();
+            let i = phase as usize;
+            times.times[i] += now - *last;
+            times.inside[i] += s.inside.saturating_sub(sections.inside);
+            times.waiting[i] += s.waiting.saturating_sub(sections.waiting);
+            (*last, *sections) = (now, s);
         }
     }
 }
