@@ -435,11 +435,7 @@ fn print_phases(rows: &[&Row]) {
         println!();
         let plural = if threads == 1 { "" } else { "s" };
         println!("phases of {test}, {threads} thread{plural} (one more generation, timed per phase{read}):");
-        let head = ["phase", "µs/token", "share", "serial µs", "waiting µs", "weights GB/s"];
-        println!(
-            "| {:<9} | {:>8} | {:>6} | {:>9} | {:>10} | {:>20} |",
-            head[0], head[1], head[2], head[3], head[4], head[5]
-        );
+        println!("| phase     | µs/token |  share | serial µs | waiting µs |         weights GB/s |");
         println!("| {:-<9} | {:->8} | {:->6} | {:->9} | {:->10} | {:->20} |", "", "", "", "", "", "");
         for r in of {
             let us = r.us_per_token.unwrap_or(0.0);

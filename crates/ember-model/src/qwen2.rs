@@ -690,6 +690,7 @@ impl Scratch {
     /// Starts timing the phases of the forward passes that use these buffers
     /// from zero (`true`), or stops (`false`). Off by default: a pass then
     /// reads no clock.
+    ///
     /// The pool's sections are timed too ([`pool::time_sections`]), for
     /// the thread that runs the passes, until timing is turned off.
     pub fn time_phases(&mut self, on: bool) {
@@ -781,7 +782,8 @@ impl PhaseTimes {
 
     /// Of [`PhaseTimes::get`], the time inside the thread pool's parallel
     /// sections; the rest is serial work between them on the thread running
-    /// the pass (norms, RoPE, residual adds, quantizing activations).
+    /// the pass (norms, RoPE, residual adds, quantizing activations,
+    /// products too small to split).
     pub fn in_sections(&self, phase: Phase) -> Duration {
         self.inside[phase as usize]
     }
@@ -806,10 +808,11 @@ impl<'a> Clock<'a> {
         let on = times.map(|t| {
             t.passes += 1;
             t.tokens += tokens;
-            if pool::section_times().is_none() {
+            let sections = pool::section_times().unwrap_or_else(|| {
                 pool::time_sections(true);
-            }
-            (t, Instant::now(), pool::section_times().unwrap_or_default())
+                pool::SectionTimes::default()
+            });
+            (t, Instant::now(), sections)
         });
         Clock { on }
     }
