@@ -93,6 +93,12 @@ struct Row {
     /// repetitions of each generation against the reads right after it.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     read_pct: Option<f64>,
+    /// With 2 threads or more: a cache line's round trip between the thread
+    /// running the passes and a worker, measured after each repetition
+    /// (the median), in ns ([`ember_kernels::pool::handoff`]): on a virtual
+    /// machine it tells which placement of the threads a row met.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    handoff_ns: Option<f64>,
     /// For ppN: time to first token for an N-token prompt (median), in ms.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     ttft_ms: Option<f64>,
@@ -181,14 +187,16 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut rows = Vec::new();
     for &n in args.prompt.iter().filter(|&&n| n > 0) {
-        let mut ttft = Vec::new();
+        let (mut ttft, mut handoffs) = (Vec::new(), Vec::new());
         let rates = measure(args.repetitions, || {
             let d = bench::prompt_processing(&model, n, args.prefill_chunk)?;
             ttft.push(d.as_secs_f64() * 1e3);
+            handoffs.extend(handoff_ns());
             Ok(n as f64 / d.as_secs_f64())
         })?;
         let mut r = row(format!("pp{n}"), threads, &rates);
         r.ttft_ms = Some(median(&ttft));
+        r.handoff_ns = median_of(&handoffs);
         rows.push(r);
     }
     for &n in args.generate.iter().filter(|&&n| n > 0) {
@@ -196,15 +204,17 @@ pub fn run(args: Args) -> Result<()> {
         // same weights, and the share of the ceiling is the median of those
         // pairs: on a shared machine the bandwidth drifts within a run, and a
         // pair sees the same conditions.
-        let (mut rates, mut reads, mut shares) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut rates, mut reads, mut shares, mut handoffs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.repetitions {
             let rate = n as f64 / bench::generation(&model, n)?.as_secs_f64();
             let read = ceiling(&model);
+            handoffs.extend(handoff_ns());
             shares.push(100.0 * rate * bytes_per_token as f64 / 1e9 / read);
             rates.push(rate);
             reads.push(read);
         }
         let mut r = row(format!("tg{n}"), threads, &rates);
+        r.handoff_ns = median_of(&handoffs);
         r.gb_s = Some(r.tok_s * bytes_per_token as f64 / 1e9);
         r.read_gb_s = Some(median(&reads));
         r.read_pct = Some(median(&shares));
@@ -215,12 +225,15 @@ pub fn run(args: Args) -> Result<()> {
     }
     for &s in &args.sequences {
         for &n in args.generate.iter().filter(|&&n| n > 0) {
+            let mut handoffs = Vec::new();
             let rates = measure(args.repetitions, || {
-                bench::multi_sequence_generation(&model, s, args.sequence_prompt, n)
-                    .map(|d| (s * n) as f64 / d.as_secs_f64())
+                let d = bench::multi_sequence_generation(&model, s, args.sequence_prompt, n)?;
+                handoffs.extend(handoff_ns());
+                Ok((s * n) as f64 / d.as_secs_f64())
             })?;
             let mut r = row(format!("tg{n}"), threads, &rates);
             r.sequences = Some(s);
+            r.handoff_ns = median_of(&handoffs);
             rows.push(r);
         }
     }
@@ -323,6 +336,7 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         gb_s: None,
         read_gb_s: None,
         read_pct: None,
+        handoff_ns: None,
         ttft_ms: None,
         phase: None,
         us_per_token: None,
@@ -330,6 +344,17 @@ fn row(test: String, threads: usize, rates: &[f64]) -> Row {
         wait_us_per_token: None,
         read_by_section_gb_s: None,
     }
+}
+
+/// The global pool's handoff round trip in ns ([`ember_kernels::pool::handoff`]),
+/// with 2 threads or more.
+fn handoff_ns() -> Option<f64> {
+    ember_kernels::pool::handoff(ember_kernels::pool::global()).map(|d| d.as_secs_f64() * 1e9)
+}
+
+/// [`median`] of what there is, if anything.
+fn median_of(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| median(v))
 }
 
 /// The median; of an even count, the mean of the two middle values.
@@ -394,10 +419,13 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         println!("decoding's weight streams: {ahead} (EMBER_PREFETCH=on|off to choose)");
     }
     println!(
-        "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
-        "test", "seqs", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s"
+        "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} | {:>10} |",
+        "test", "seqs", "threads", "t/s", "TTFT ms", "weights GB/s", "read GB/s", "handoff ns"
     );
-    println!("| {:-<8} | {:->4} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} |", "", "", "", "", "", "", "");
+    println!(
+        "| {:-<8} | {:->4} | {:->7} | {:->16} | {:->10} | {:->20} | {:->10} | {:->10} |",
+        "", "", "", "", "", "", "", ""
+    );
     let (phases, rows): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.phase.is_some());
     for r in rows {
         let seqs = r.sequences.map_or(String::new(), |s| s.to_string());
@@ -409,9 +437,10 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
         };
         let read = r.read_gb_s.map_or(String::new(), |g| format!("{g:.1}"));
         let rate = format!("{:.2} ± {:.2}", r.tok_s, r.sd);
+        let handoff = r.handoff_ns.map_or(String::new(), |n| format!("{n:.0}"));
         println!(
-            "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} |",
-            r.test, seqs, r.threads, rate, ttft, gb, read
+            "| {:<8} | {:>4} | {:>7} | {:>16} | {:>10} | {:>20} | {:>10} | {:>10} |",
+            r.test, seqs, r.threads, rate, ttft, gb, read, handoff
         );
     }
     print_phases(&phases);

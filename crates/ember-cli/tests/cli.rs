@@ -477,6 +477,26 @@ fn a_write_that_fails_midway_leaves_nothing_behind() {
 }
 
 #[test]
+fn bench_rows_with_two_threads_carry_the_threads_handoff() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    for threads in ["1", "2"] {
+        let args =
+            ["bench", "--model", m, "-p", "8", "-n", "4", "-r", "2", "-t", threads, "--sequences", "2", "--json"];
+        let out = ember(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rows.len(), 3, "pp8, tg4 and tg4 of 2 sequences");
+        for r in &rows {
+            // A round trip between two threads' caches, with two of them.
+            let ns = r["handoff_ns"].as_f64();
+            assert_eq!(ns.is_some(), threads == "2", "{r}");
+            assert!(ns.is_none_or(|ns| ns > 0.0 && ns < 1e6), "{r}");
+        }
+    }
+}
+
+#[test]
 fn bench_phases_time_every_part_of_a_decoded_token() {
     let model = tiny_model();
     let m = model.to_str().unwrap();
@@ -512,6 +532,7 @@ fn bench_phases_time_every_part_of_a_decoded_token() {
     }
     let text = ember(&["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--phases"]);
     let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains(" read GB/s | handoff ns |"), "{text}");
     assert!(text.contains("phases of tg4, 1 thread (") && text.contains("| lm head"), "{text}");
     assert!(text.contains(" GB/s in one pass, ") && text.contains(" a section at a time ("), "{text}");
     assert!(text.contains("| serial µs | waiting µs |"), "{text}");

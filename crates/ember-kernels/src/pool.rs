@@ -380,9 +380,86 @@ impl<'a, T> SharedMut<'a, T> {
     }
 }
 
+/// Round trips per run of [`handoff`].
+const HANDOFF_TRIPS: usize = 2000;
+
+/// A cache line of its own for [`handoff`]'s counter.
+#[repr(align(128))]
+struct Line(AtomicUsize);
+
+/// How long a cache line takes to go from the pool's calling thread to its
+/// first worker and back: one thread's store seen by the other, answered
+/// by a store seen back. The best of three runs of 2000 round
+/// trips (the first handshake, the worker's wake-up, untimed); `None` with
+/// one thread.
+///
+/// Every parallel section pays it a few times (the section's start, the
+/// chunks claimed from one counter, the end), and every product's
+/// activations and outputs cross between the threads' caches at that
+/// latency, so it says where the threads run: on a virtual machine whose
+/// two vCPUs move between the cores of one Zen 4 CCD (round trips of
+/// 70–170 ns, one CCD's link to memory: reads of 31–37 GB/s) and two
+/// CCDs (350–450 ns, two links: 50–68 GB/s), it names which of the two a
+/// measurement met.
+pub fn handoff(pool: &ThreadPool) -> Option<Duration> {
+    if pool.threads() < 2 {
+        return None;
+    }
+    // Waits until `line` holds `want`, giving way now and then (a worker
+    // that is not running cannot answer).
+    let wait = |line: &Line, want: usize| {
+        let mut spins = 0u32;
+        while line.0.load(Ordering::Acquire) != want {
+            spins += 1;
+            if spins.is_multiple_of(YIELD_EVERY) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    };
+    (0..3)
+        .map(|_| {
+            let line = Line(AtomicUsize::new(0));
+            let took = Mutex::new(Duration::MAX);
+            pool.run(|th, _| match th {
+                0 => {
+                    line.0.store(1, Ordering::Release);
+                    wait(&line, 2);
+                    let start = Instant::now();
+                    for i in 1..=HANDOFF_TRIPS {
+                        line.0.store(2 * i + 1, Ordering::Release);
+                        wait(&line, 2 * i + 2);
+                    }
+                    *took.lock().unwrap_or_else(|e| e.into_inner()) = start.elapsed() / HANDOFF_TRIPS as u32;
+                }
+                1 => {
+                    for i in 0..=HANDOFF_TRIPS {
+                        wait(&line, 2 * i + 1);
+                        line.0.store(2 * i + 2, Ordering::Release);
+                    }
+                }
+                _ => {}
+            });
+            took.into_inner().unwrap_or_else(|e| e.into_inner())
+        })
+        .min()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handoff_needs_two_threads_and_takes_some_time() {
+        assert_eq!(handoff(&ThreadPool::new(1)), None);
+        for threads in [2, 3] {
+            let took = handoff(&ThreadPool::new(threads)).expect("a round trip with two threads or more");
+            // Two stores seen by another thread: more than nothing, and far
+            // less than a millisecond even on a loaded machine.
+            assert!(took > Duration::ZERO && took < Duration::from_millis(1), "{threads} threads: {took:?}");
+        }
+    }
 
     #[test]
     fn section_times_split_the_callers_wait_from_the_section() {
