@@ -1847,18 +1847,24 @@ mod tests {
     fn swiglu_block_matches_separate_steps() {
         let (rows, cols, t) = (21, 48, 5);
         let (g, u) = (synth(rows * cols, 11), synth(rows * cols, 12));
+        let (g16, u16): (Vec<bf16>, Vec<bf16>) =
+            (g.iter().map(|&v| bf16::from_f32(v)).collect(), u.iter().map(|&v| bf16::from_f32(v)).collect());
         let x = synth(t * cols, 13);
-        let (gm, um) = (MatRef::new(Weights::F32(&g), rows, cols), MatRef::new(Weights::F32(&u), rows, cols));
-        let (mut gy, mut uy) = (vec![0.0; t * rows], vec![0.0; t * rows]);
-        matmul_with(Isa::active(), Precision::Fast, gm, &x, &mut gy);
-        matmul_with(Isa::active(), Precision::Fast, um, &x, &mut uy);
-        // The gate as the active tier computes it alone.
-        let mut want = gy.clone();
-        crate::ops::silu_mul_with(Isa::active(), &mut want, &uy);
-        for threads in [1, 2, 4] {
-            let (mut out, mut scratch) = (vec![0.0; t * rows], vec![0.0; t * rows]);
-            matmul_swiglu(&ThreadPool::new(threads), Precision::Fast, gm, um, &x, &mut scratch, &mut out);
-            assert_eq!(out, want, "threads={threads}");
+        // F32 weights, and BF16 ones (the BF16 dot kernel's few tokens
+        // where it runs).
+        for (gw, uw) in [(Weights::F32(&g), Weights::F32(&u)), (Weights::Bf16(&g16), Weights::Bf16(&u16))] {
+            let (gm, um) = (MatRef::new(gw, rows, cols), MatRef::new(uw, rows, cols));
+            let (mut gy, mut uy) = (vec![0.0; t * rows], vec![0.0; t * rows]);
+            matmul_with(Isa::active(), Precision::Fast, gm, &x, &mut gy);
+            matmul_with(Isa::active(), Precision::Fast, um, &x, &mut uy);
+            // The gate as the active tier computes it alone.
+            let mut want = gy.clone();
+            crate::ops::silu_mul_with(Isa::active(), &mut want, &uy);
+            for threads in [1, 2, 4] {
+                let (mut out, mut scratch) = (vec![0.0; t * rows], vec![0.0; t * rows]);
+                matmul_swiglu(&ThreadPool::new(threads), Precision::Fast, gm, um, &x, &mut scratch, &mut out);
+                assert_eq!(out, want, "{} threads={threads}", gw.ty());
+            }
         }
     }
 
@@ -1918,14 +1924,20 @@ mod tests {
         let cols = 40;
         let t = 5;
         let (wa, wb) = (synth(12 * cols, 1), synth(8 * cols, 2));
+        let (wa16, wb16): (Vec<bf16>, Vec<bf16>) =
+            (wa.iter().map(|&v| bf16::from_f32(v)).collect(), wb.iter().map(|&v| bf16::from_f32(v)).collect());
         let x = synth(t * cols, 3);
-        let (ma, mb) = (MatRef::new(Weights::F32(&wa), 12, cols), MatRef::new(Weights::F32(&wb), 8, cols));
-        let pool = ThreadPool::new(2);
-        let (mut ya, mut yb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
-        matmuls(&pool, Precision::Fast, &x, [(ma, &mut ya[..]), (mb, &mut yb[..])]);
-        let (mut ra, mut rb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
-        matmul_with(Isa::active(), Precision::Fast, ma, &x, &mut ra);
-        matmul_with(Isa::active(), Precision::Fast, mb, &x, &mut rb);
-        assert_eq!((ya, yb), (ra, rb));
+        for (a, b) in [(Weights::F32(&wa), Weights::F32(&wb)), (Weights::Bf16(&wa16), Weights::Bf16(&wb16))] {
+            let (ma, mb) = (MatRef::new(a, 12, cols), MatRef::new(b, 8, cols));
+            for threads in [2, 3] {
+                let pool = ThreadPool::new(threads);
+                let (mut ya, mut yb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
+                matmuls(&pool, Precision::Fast, &x, [(ma, &mut ya[..]), (mb, &mut yb[..])]);
+                let (mut ra, mut rb) = (vec![0.0; t * 12], vec![0.0; t * 8]);
+                matmul_with(Isa::active(), Precision::Fast, ma, &x, &mut ra);
+                matmul_with(Isa::active(), Precision::Fast, mb, &x, &mut rb);
+                assert_eq!((ya, yb), (ra, rb), "{} threads={threads}", a.ty());
+            }
+        }
     }
 }
