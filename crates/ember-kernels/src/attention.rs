@@ -120,7 +120,10 @@ fn attend_heads_ahead(
             let buf = &mut *buf.borrow_mut();
             // Steps of the passes below: per KV head, the scores' steps of
             // 8 positions and the weighted sum's of 16.
-            let groups = (heads.end - 1) / group - heads.start / group + 1;
+            let groups = match heads.is_empty() {
+                true => 0,
+                false => (heads.end - 1) / group - heads.start / group + 1,
+            };
             let mut ahead = avx2::Ahead::new(next, groups * (len.div_ceil(8) + len.div_ceil(16)));
             let mut h = heads.start;
             while h < heads.end {
