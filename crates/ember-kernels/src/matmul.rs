@@ -340,7 +340,8 @@ fn stream_pairs(
         let ahead = |n: usize| -> [*const bf16; 2] {
             match (n + 4 < pairs, blocks.get(b + 1)) {
                 (true, _) => pair(n + 4).map(|r| block.row(r).as_ptr()),
-                (false, Some(next)) => pair(n + 4 - pairs).map(|r| next.row(r).as_ptr()),
+                // (Fewer than four pairs: the next block's last.)
+                (false, Some(next)) => pair((n + 4 - pairs).min(pairs - 1)).map(|r| next.row(r).as_ptr()),
                 (false, None) => pair(n).map(|r| block.row(r).as_ptr()),
             }
         };
@@ -1758,6 +1759,42 @@ mod tests {
         let mut want = vec![0.0; x.len() / cols * rows];
         gemm_int8::matmul_reference::<F>(q, &acts, &mut want);
         want
+    }
+
+    /// A few rows streamed in several column blocks (activations past L1):
+    /// fewer than four pairs of rows to look ahead to in the next block.
+    /// Each row's sums are those of the same row in a taller matrix (the
+    /// same blocks and kernel).
+    #[test]
+    fn a_few_rows_in_several_column_blocks() {
+        let (tall, cols) = (64, 1600);
+        let w: Vec<bf16> = synth(tall * cols, 21).iter().map(|&v| bf16::from_f32(v)).collect();
+        for t in [2, 5, 8] {
+            let x = synth(t * cols, 22 + t as u64);
+            for isa in Isa::supported() {
+                for precision in Precision::ALL {
+                    let mut want = vec![0.0; t * tall];
+                    matmul_with(isa, precision, MatRef::new(Weights::Bf16(&w), tall, cols), &x, &mut want);
+                    for rows in [1, 2, 3, 5, 7] {
+                        let mut y = vec![f32::NAN; t * rows];
+                        matmul_with(
+                            isa,
+                            precision,
+                            MatRef::new(Weights::Bf16(&w[..rows * cols]), rows, cols),
+                            &x,
+                            &mut y,
+                        );
+                        for j in 0..t {
+                            assert_eq!(
+                                y[j * rows..(j + 1) * rows],
+                                want[j * tall..j * tall + rows],
+                                "{isa:?} {precision:?} t={t} rows={rows}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
