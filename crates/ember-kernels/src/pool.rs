@@ -111,17 +111,7 @@ impl ThreadPool {
         }
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0, self.threads)));
         let own_done = start.map(|_| Instant::now());
-        let mut spins = 0u32;
-        while s.remaining.load(Ordering::Acquire) != 0 {
-            // With more threads than free cores, spinning would starve the
-            // worker being waited for: give way now and then.
-            spins += 1;
-            if spins.is_multiple_of(YIELD_EVERY) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        spin_until(|| s.remaining.load(Ordering::Acquire) == 0);
         add_section_time(start, own_done);
         unsafe { *s.job.get() = None };
         if let Err(p) = mine {
@@ -380,6 +370,21 @@ impl<'a, T> SharedMut<'a, T> {
     }
 }
 
+/// Spins until `done()`. With more threads than free cores, spinning
+/// would starve the thread being waited for: it gives way now and then.
+#[inline]
+fn spin_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins.is_multiple_of(YIELD_EVERY) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// Round trips per run of [`handoff`].
 const HANDOFF_TRIPS: usize = 2000;
 
@@ -405,19 +410,7 @@ pub fn handoff(pool: &ThreadPool) -> Option<Duration> {
     if pool.threads() < 2 {
         return None;
     }
-    // Waits until `line` holds `want`, giving way now and then (a worker
-    // that is not running cannot answer).
-    let wait = |line: &Line, want: usize| {
-        let mut spins = 0u32;
-        while line.0.load(Ordering::Acquire) != want {
-            spins += 1;
-            if spins.is_multiple_of(YIELD_EVERY) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    };
+    let wait = |line: &Line, want: usize| spin_until(|| line.0.load(Ordering::Acquire) == want);
     (0..3)
         .map(|_| {
             let line = Line(AtomicUsize::new(0));
