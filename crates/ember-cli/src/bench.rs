@@ -56,7 +56,8 @@ pub struct Args {
     /// After each tgN test, one more generation timed phase by phase (q/k/v,
     /// attention, o, gate/up, down, LM head): time per token, and for the
     /// products the weight bytes they stream against the read ceiling
-    /// measured right after.
+    /// measured right after. With --sequences, the same for each number of
+    /// sequences, per step (a token of each).
     #[arg(long)]
     phases: bool,
 
@@ -107,7 +108,8 @@ struct Row {
     /// `gb_s`, `read_pct` its weights' rate).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     phase: Option<String>,
-    /// With --phases: microseconds per decoded token spent in `phase`.
+    /// With --phases: microseconds per decoded token spent in `phase` (on a
+    /// row of several sequences, a step's time over its tokens).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     us_per_token: Option<f64>,
     /// With --phases and 2 threads or more: of `us_per_token`, the work
@@ -235,6 +237,9 @@ pub fn run(args: Args) -> Result<()> {
             r.sequences = Some(s);
             r.handoff_ns = median_of(&handoffs);
             rows.push(r);
+            if args.phases {
+                rows.extend(sequence_phase_rows(&model, s, args.sequence_prompt, n, threads)?);
+            }
         }
     }
     for r in &mut rows {
@@ -247,7 +252,36 @@ pub fn run(args: Args) -> Result<()> {
 /// One more `n`-token generation timed phase by phase, then a read of the
 /// weights: a row per phase.
 fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) -> Result<Vec<Row>> {
-    let times = bench::generation_phases(model, n)?;
+    rows_of_phases(model, &bench::generation_phases(model, n)?, n, threads)
+}
+
+/// One more step of `s` sequences decoding `n` tokens together, timed phase
+/// by phase, then a read of the weights: a row per phase, marked with `s`.
+fn sequence_phase_rows(
+    model: &ember_model::advanced::Qwen2,
+    s: usize,
+    prompt: usize,
+    n: usize,
+    threads: usize,
+) -> Result<Vec<Row>> {
+    let times = bench::multi_sequence_generation_phases(model, s, prompt, n)?;
+    let mut rows = rows_of_phases(model, &times, n, threads)?;
+    for r in &mut rows {
+        r.sequences = Some(s);
+    }
+    Ok(rows)
+}
+
+/// A row per phase of `times` (decoding `n` tokens a sequence): time per
+/// decoded token, and for the products their weights' rate per forward pass
+/// (a pass reads them once, whatever its tokens) against the read ceiling,
+/// measured now.
+fn rows_of_phases(
+    model: &ember_model::advanced::Qwen2,
+    times: &ember_model::advanced::PhaseTimes,
+    n: usize,
+    threads: usize,
+) -> Result<Vec<Row>> {
     // The one-pass ceiling, and the same bytes read a section at a time:
     // alternated, the fastest of each (as `ceiling`).
     let (mut read, mut read_by_section) = (0.0f64, 0.0f64);
@@ -256,8 +290,10 @@ fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) ->
         read_by_section = read_by_section.max(gb_s(bench::weight_read_by_section(model)));
     }
     let tokens = times.tokens.max(1) as f64;
+    let passes = times.passes.max(1) as f64;
     let rows = ember_model::advanced::Phase::ALL.iter().map(|&p| {
         let per_token = times.get(p).as_secs_f64() / tokens;
+        let per_pass = times.get(p).as_secs_f64() / passes;
         let mut r = row(format!("tg{n}"), threads, &[1.0 / per_token.max(f64::MIN_POSITIVE)]);
         r.phase = Some(p.name().to_string());
         r.us_per_token = Some(per_token * 1e6);
@@ -268,8 +304,8 @@ fn phase_rows(model: &ember_model::advanced::Qwen2, n: usize, threads: usize) ->
             r.wait_us_per_token = Some(times.waiting(p).as_secs_f64() / tokens * 1e6);
         }
         let weights = model.phase_bytes(p);
-        if weights > 0 && per_token > 0.0 {
-            let gb = weights as f64 / per_token / 1e9;
+        if weights > 0 && per_pass > 0.0 {
+            let gb = weights as f64 / per_pass / 1e9;
             r.gb_s = Some(gb);
             r.read_gb_s = Some(read);
             r.read_pct = Some(100.0 * gb / read);
@@ -447,13 +483,19 @@ fn print(args: &Args, dir: &std::path::Path, rows: &[Row], bytes_per_token: Opti
     Ok(())
 }
 
-/// The --phases rows: one table per tgN test and thread count.
+/// The --phases rows: one table per tgN test, thread count and number of
+/// sequences. A table of several sequences gives the time of a step (a token
+/// of each), which reads the weights once, as one sequence's token does.
 fn print_phases(rows: &[&Row]) {
-    let mut tests: Vec<(&str, usize)> = rows.iter().map(|r| (r.test.as_str(), r.threads)).collect();
+    let mut tests: Vec<(&str, usize, Option<usize>)> =
+        rows.iter().map(|r| (r.test.as_str(), r.threads, r.sequences)).collect();
     tests.dedup();
-    for (test, threads) in tests {
-        let of: Vec<&&Row> = rows.iter().filter(|r| r.test == test && r.threads == threads).collect();
-        let total: f64 = of.iter().filter_map(|r| r.us_per_token).sum();
+    for (test, threads, sequences) in tests {
+        let of: Vec<&&Row> =
+            rows.iter().filter(|r| r.test == test && r.threads == threads && r.sequences == sequences).collect();
+        // Microseconds per forward pass: a token of one sequence, or a step.
+        let per_pass = |r: &Row| r.us_per_token.map(|us| us * sequences.unwrap_or(1) as f64);
+        let total: f64 = of.iter().filter_map(|r| per_pass(r)).sum();
         let read = match (of.iter().find_map(|r| r.read_gb_s), of.iter().find_map(|r| r.read_by_section_gb_s)) {
             (Some(g), Some(s)) => {
                 format!(", read ceiling {g:.1} GB/s in one pass, {s:.1} a section at a time ({:.0}%)", 100.0 * s / g)
@@ -463,17 +505,23 @@ fn print_phases(rows: &[&Row]) {
         };
         println!();
         let plural = if threads == 1 { "" } else { "s" };
-        println!("phases of {test}, {threads} thread{plural} (one more generation, timed per phase{read}):");
-        println!("| phase     | µs/token |  share | serial µs | waiting µs |         weights GB/s |");
+        let (of_what, unit) = match sequences {
+            Some(1) => ("1 sequence, ".to_string(), "µs/step "),
+            Some(s) => (format!("{s} sequences together, "), "µs/step "),
+            None => (String::new(), "µs/token"),
+        };
+        println!("phases of {test}, {of_what}{threads} thread{plural} (one more generation, timed per phase{read}):");
+        println!("| phase     | {unit} |  share | serial µs | waiting µs |         weights GB/s |");
         println!("| {:-<9} | {:->8} | {:->6} | {:->9} | {:->10} | {:->20} |", "", "", "", "", "", "");
+        let scale = sequences.unwrap_or(1) as f64;
         for r in of {
-            let us = r.us_per_token.unwrap_or(0.0);
+            let us = per_pass(r).unwrap_or(0.0);
             let share = if total > 0.0 { 100.0 * us / total } else { 0.0 };
             let gb = match (r.gb_s, r.read_pct) {
                 (Some(g), Some(p)) => format!("{g:.1} ({p:.0}% of read)"),
                 _ => String::new(),
             };
-            let us_or_blank = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
+            let us_or_blank = |v: Option<f64>| v.map_or(String::new(), |v| format!("{:.1}", v * scale));
             let (serial, wait) = (us_or_blank(r.serial_us_per_token), us_or_blank(r.wait_us_per_token));
             let phase = r.phase.as_deref().unwrap_or("");
             println!("| {phase:<9} | {us:>8.1} | {share:>5.1}% | {serial:>9} | {wait:>10} | {gb:>20} |");

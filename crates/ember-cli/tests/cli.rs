@@ -537,3 +537,31 @@ fn bench_phases_time_every_part_of_a_decoded_token() {
     assert!(text.contains(" GB/s in one pass, ") && text.contains(" a section at a time ("), "{text}");
     assert!(text.contains("| serial µs | waiting µs |"), "{text}");
 }
+
+#[test]
+fn bench_phases_time_a_step_of_several_sequences() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let args = ["bench", "--model", m, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--sequences", "1,3"];
+    let out = ember(&[&args[..], &["--sequence-prompt", "5", "--phases", "--json"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    for s in [1, 3] {
+        let of: Vec<&serde_json::Value> = rows.iter().filter(|r| r["sequences"] == s).collect();
+        assert!(of[0]["phase"].is_null() && of[0]["test"] == "tg4", "{rows:?}");
+        let names: Vec<&str> = of[1..].iter().map(|r| r["phase"].as_str().unwrap()).collect();
+        assert_eq!(names, ["embed", "q/k/v", "attention", "o", "gate/up", "down", "lm head"], "{s} sequences");
+        for r in &of[1..] {
+            assert!(r["us_per_token"].as_f64().unwrap() > 0.0, "{r}");
+            let product = !matches!(r["phase"].as_str(), Some("embed" | "attention"));
+            assert_eq!(r["gb_s"].as_f64().is_some_and(|g| g > 0.0), product, "{r}");
+        }
+    }
+    // The plain tg4 test's phases are per token, the sequences' per step.
+    let text = ember(&[&args[..], &["--sequence-prompt", "5", "--phases"]].concat());
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains("phases of tg4, 3 sequences together, 1 thread ("), "{text}");
+    assert!(text.contains("phases of tg4, 1 sequence, 1 thread ("), "{text}");
+    assert!(text.contains("| phase     | µs/step  |"), "{text}");
+    assert!(text.contains("| phase     | µs/token |"), "{text}");
+}

@@ -51,7 +51,12 @@ fn decode(model: &Qwen2, n: usize, phases: bool) -> Result<(Duration, Option<Pha
     for &t in &tokens {
         state.run(model, &[t], true)?;
     }
-    Ok((start.elapsed(), state.phase_times().cloned()))
+    let elapsed = start.elapsed();
+    let times = state.phase_times().cloned();
+    // Off again, the pool's sections too, so the tests after this one read
+    // no clocks.
+    state.time_phases(false);
+    Ok((elapsed, times))
 }
 
 /// Time for `sequences` sequences to decode `n` tokens each together, each
@@ -60,6 +65,31 @@ fn decode(model: &Qwen2, n: usize, phases: bool) -> Result<(Duration, Option<Pha
 /// as a server batching its users does. Aggregate rate: `sequences · n /
 /// time`.
 pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize, n: usize) -> Result<Duration> {
+    multi_sequence(model, sequences, prompt, n, false).map(|(d, _)| d)
+}
+
+/// [`multi_sequence_generation`] with its steps timed phase by phase
+/// ([`crate::qwen2::Phase`]): where a step of several sequences' time goes.
+/// The times cover the decoding steps only (`passes` is `n`, `tokens`
+/// `sequences · n`), not the prompts before them.
+pub fn multi_sequence_generation_phases(
+    model: &Qwen2,
+    sequences: usize,
+    prompt: usize,
+    n: usize,
+) -> Result<PhaseTimes> {
+    multi_sequence(model, sequences, prompt, n, true).map(|(_, times)| times.unwrap_or_default())
+}
+
+/// `sequences` sequences decoding `n` tokens together after their prompts:
+/// the steps' time, and their phases' times when `phases`.
+fn multi_sequence(
+    model: &Qwen2,
+    sequences: usize,
+    prompt: usize,
+    n: usize,
+    phases: bool,
+) -> Result<(Duration, Option<PhaseTimes>)> {
     let tokens = bench_tokens(model, sequences * (prompt + n) + sequences);
     let mut caches: Vec<KvCache> = (0..sequences).map(|_| model.new_cache(prompt + n)).collect();
     let mut scratch = Scratch::default();
@@ -75,6 +105,7 @@ pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize,
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
     let mut batch: Vec<BatchToken> =
         (0..sequences).map(|seq| BatchToken { token: 0, seq, pos: prompt, logits: true }).collect();
+    scratch.time_phases(phases);
     let start = Instant::now();
     for step in 0..n {
         for b in &mut batch {
@@ -83,7 +114,10 @@ pub fn multi_sequence_generation(model: &Qwen2, sequences: usize, prompt: usize,
         }
         model.forward(&batch, &mut refs, &mut scratch)?;
     }
-    Ok(start.elapsed())
+    let elapsed = start.elapsed();
+    let times = scratch.phase_times().cloned();
+    scratch.time_phases(false);
+    Ok((elapsed, times))
 }
 
 /// The weights a decoded token streams, one group per parallel section of
