@@ -16,8 +16,8 @@
 //! | BF16 on AMX, 9–16 tokens (several sequences decoding) | `amx::few_rows`: weight tiles loaded in place, one token tile |
 //! | BF16 at fast precision where `vdpbf16ps` pays off, 2–8 tokens (several sequences decoding) | `dot_rows`: rows streamed like a mat-vec, activations rounded to BF16 |
 //! | BF16 at fast precision where `vdpbf16ps` pays off, 9 tokens or more | [`gemm_bf16::matmul_rows`] |
-//! | BF16, 5–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
-//! | BF16, ≤ 8 tokens on AVX-512 (in column blocks that fit L1), ≤ 4 whose activations fit L1 on AVX2, x86 | `few_tokens_rows`: rows streamed like a mat-vec |
+//! | BF16, 9–16 tokens, AVX2 tiers | `lanes_rows`: the tokens in the vector lanes, each weight broadcast |
+//! | BF16, ≤ 8 tokens, x86 (in column blocks that fit L1; on AVX2 in passes of 4 tokens over each pair of rows) | `few_tokens_rows`: rows streamed like a mat-vec |
 //! | BF16 otherwise, x86 | [`gemm_bf16::matmul_rows_f32`]: packed 32-row panels, f32 FMA, no horizontal sums |
 //! | the rest | `matmul_rows`: rows widened to an f32 panel, a register-tiled micro-kernel (4 × 3 AVX2, 8 × 3 AVX-512) |
 //!
@@ -184,7 +184,7 @@ const SMALL_BATCH: usize = 8;
 /// here) beside the streaming weights. Past that (8 tokens of down_proj's
 /// 4864 columns: 152 KB), read from L2, the panel kernel was faster (89.5
 /// against 54.8 GMAC/s); the AVX-512 kernel now takes such products in
-/// column blocks ([`few_block`]), the AVX2 one leaves them to the panels.
+/// column blocks ([`few_block`]), and so does the AVX2 one.
 const SMALL_BATCH_BYTES: usize = 40 * 1024;
 
 /// Columns per block of [`few_tokens_rows`] for `t` tokens of `cols`
@@ -210,14 +210,26 @@ fn column_block(cols: usize, bytes: usize, whole: usize, most: usize, width: usi
 /// when they all together would not stay in L1 ([`SMALL_BATCH_BYTES`]).
 const FEW_BLOCK_BYTES: usize = 24 * 1024;
 
-/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]; on the
-/// AVX2 tiers ≤ 4, one pass, [`lanes_rows`] taking more) over BF16
-/// weights, as a mat-vec of several vectors: each pair of weight rows is
-/// read from memory once, widened in registers, and multiplied with every
-/// token (up to 16 accumulators on AVX-512, both rows at once; 8 on AVX2,
-/// a row at a time), the tokens staying in L1. No panel is widened first,
-/// so the memory reads and the arithmetic overlap. The rows go in
+/// Rows `rows` of `Y = X @ Wᵀ` for a few tokens (≤ [`SMALL_BATCH`]) over
+/// BF16 weights, as a mat-vec of several vectors: each pair of weight rows
+/// is read from memory once, widened in registers, and multiplied with
+/// every token (up to 16 accumulators on AVX-512, both rows at once; on
+/// AVX2 8, for 4 tokens a pass, the pair read again from L1 by a second
+/// pass for tokens 5–8), the tokens staying in L1. No panel is widened
+/// first, so the memory reads and the arithmetic overlap. The rows go in
 /// [`stream_pairs`]' four streams.
+///
+/// On the AVX2 tiers 5–8 tokens went to [`lanes_rows`] until the two
+/// passes were measured against it again (Zen 3, family 25 model 1, 2
+/// threads, `ember bench -p 0 -n 32 -r 3 -t 2 --sequences 8`, the two
+/// builds alternated five times, 2026-12-07): 8 sequences 64.0, 57.2,
+/// 73.2, 61.3, 69.4 → 76.7, 78.5, 89.4, 75.9, 73.8 tok/s, every pair
+/// faster. Per step (`--phases`) the lanes kernel had made 8 tokens
+/// slower per token than 4 (a step 121 against 53 ms). The column blocks
+/// on AVX2 came with it (before, activations past L1, such as 4 tokens of
+/// down_proj's 4864 columns, went to the packed panels): 4 sequences, five
+/// alternations, 61.8, 66.2, 67.1, 63.8, 84.0 → 61.8, 75.3, 63.8, 74.2,
+/// 82.1.
 ///
 /// Activations too large for L1 (8 tokens of down_proj's 4864 columns:
 /// 152 KB) are taken in column blocks that fit ([`few_block`]): each block
@@ -245,9 +257,12 @@ fn few_tokens_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, few: &
             // x86 tiers); both segments hold `k1 - k0` values, `xs` `t ≤
             // PASS` tokens split for `width`.
             unsafe {
-                let part = avx2::rows2_pass(segs, xs, t, ahead);
-                for (yi, pi) in y.iter_mut().zip(&part) {
-                    yi[..t].copy_from_slice(&pi[..t]);
+                for first in (0..t).step_by(avx2::PASS) {
+                    let n = (t - first).min(avx2::PASS);
+                    let part = avx2::rows2_pass(segs, xs, t, first, n, ahead);
+                    for (yi, pi) in y.iter_mut().zip(&part) {
+                        yi[first..first + n].copy_from_slice(&pi[..n]);
+                    }
                 }
             }
         }
@@ -509,16 +524,13 @@ fn prepare_dot<'b>(isa: Isa, x: &[f32], cols: usize, buf: &'b mut Vec<u32>) -> D
 /// columns on `isa`'s tier, and their shape: `(wide, width)`, whether the
 /// kernels are 512 bits wide and how many columns they widen per load (the
 /// width of the even/odd split of the activations). The 256-bit kernel
-/// takes up to 4 tokens in one pass; more go to [`lanes_rows`] on those
-/// tiers, and activations past L1 to the panels (blocks of columns not
-/// measured there).
-fn few_layout(isa: Isa, t: usize, cols: usize) -> Option<(bool, usize)> {
+/// takes 4 tokens a pass over each pair of rows.
+fn few_layout(isa: Isa, t: usize) -> Option<(bool, usize)> {
     if !(1..=SMALL_BATCH).contains(&t) || !cfg!(target_arch = "x86_64") {
         return None;
     }
     match isa.tier() {
         Tier::Scalar => None,
-        Tier::Avx2 | Tier::AvxVnni if t > avx2_pass() || 4 * t * cols > SMALL_BATCH_BYTES => None,
         Tier::Avx2 | Tier::AvxVnni => Some((false, 16)),
         Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => Some((true, 32)),
     }
@@ -533,7 +545,7 @@ fn on_few(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
         && !on_amx_few(isa, w, t)
         && !fast_bf16(isa, precision, w, t)
         && !on_lanes(isa, precision, w, t)
-        && few_layout(isa, t, w.cols).is_some()
+        && few_layout(isa, t).is_some()
 }
 
 /// The activations of a product for [`few_tokens_rows`], split once by the
@@ -558,7 +570,7 @@ struct FewActs<'a> {
 /// no such kernels.
 fn prepare_few<'a>(isa: Isa, x: &[f32], cols: usize, buf: &'a mut (Vec<f32>, Vec<usize>)) -> Option<FewActs<'a>> {
     let t = x.len() / cols;
-    let (wide, width) = few_layout(isa, t, cols)?;
+    let (wide, width) = few_layout(isa, t)?;
     let block = few_block(t, cols, width);
     let (data, starts) = buf;
     data.clear();
@@ -578,7 +590,7 @@ fn prepare_few<'a>(isa: Isa, x: &[f32], cols: usize, buf: &'a mut (Vec<f32>, Vec
 /// Token counts whose products over BF16 weights [`lanes_rows`] takes on
 /// the 256-bit tiers: a few sequences decoding together. From 17 tokens on,
 /// the packed panels ([`gemm_bf16::matmul_rows_f32`]) amortise their packing.
-const LANES: std::ops::RangeInclusive<usize> = 5..=16;
+const LANES: std::ops::RangeInclusive<usize> = 9..=16;
 
 /// Whether [`lanes_rows`] takes `w`'s product for `t` tokens: BF16 weights
 /// on AVX2 and AVX-VNNI (the AVX-512 tiers keep their own kernels), where
@@ -592,11 +604,11 @@ fn on_lanes(isa: Isa, precision: Precision, w: &MatRef, t: usize) -> bool {
         && !on_amx(isa, precision, w, t)
 }
 
-/// `x (T, cols)` transposed to `(cols, L)` for [`lanes_rows`], `L` the
-/// tokens rounded up to whole 8-lane vectors, the lanes past `T` zero.
+/// `x (T, cols)` transposed to `(cols, 16)` for [`lanes_rows`] (`T` ≤ 16),
+/// the lanes past `T` zero.
 fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b [f32] {
-    let t = x.len() / cols;
-    let l = t.div_ceil(8) * 8;
+    let l = 16;
+    debug_assert!(x.len() / cols <= l);
     buf.clear();
     buf.resize(cols * l, 0.0);
     for (j, xj) in x.chunks_exact(cols).enumerate() {
@@ -687,10 +699,9 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// 58-71 against 61-78 tok/s end to end. Not kept; without hardware
 /// counters here the difference between the two stays open.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
-    let vectors = xt.len() / cols / 8;
-    debug_assert!(LANES.contains(&t) && t <= 8 * vectors);
-    let group = lanes_group(vectors);
-    let mut y = [0.0f32; 16 * 16];
+    debug_assert!(LANES.contains(&t) && xt.len() == cols * 16);
+    let group = LANE_ROWS;
+    let mut y = [0.0f32; LANE_ROWS * 16];
     let mut r = rows.start;
     while r < rows.end {
         let n = (rows.end - r).min(group);
@@ -699,37 +710,28 @@ fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usi
         let ahead = (r + 2 * group <= rows.end).then(|| w[(r + group) * cols..].as_ptr());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier has AVX2 and FMA (`on_lanes` checked it); rows
-        // `r..r + n` hold `cols` values each, `xt` is `(cols, 8 ·
-        // vectors)`, `y` has room for `group × 8 · vectors` floats.
+        // `r..r + n` hold `cols` values each, `xt` is `(cols, 16)`, `y` has
+        // room for `group × 16` floats.
         unsafe {
-            avx2::lanes(vectors, &w[r * cols..(r + n) * cols], n, cols, xt, ahead, &mut y)
+            avx2::lanes(&w[r * cols..(r + n) * cols], n, cols, xt, ahead, &mut y)
         };
         for j in 0..t {
             // SAFETY: this thread owns columns `rows` of every output row.
             let dst = unsafe { out.data.range(j * out.stride + r, j * out.stride + r + n) };
             for (i, d) in dst.iter_mut().enumerate() {
-                *d = y[i * 8 * vectors + j];
+                *d = y[i * 16 + j];
             }
         }
         r += n;
     }
 }
 
-/// Rows per call of [`lanes_rows`]' kernel with `vectors` token vectors.
-fn lanes_group(vectors: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    return avx2::LANE_ROWS[vectors - 1];
-    #[cfg(not(target_arch = "x86_64"))]
-    return vectors;
-}
-
-/// Most tokens the 256-bit few-token kernel takes (in one pass).
-fn avx2_pass() -> usize {
-    #[cfg(target_arch = "x86_64")]
-    return avx2::PASS;
-    #[cfg(not(target_arch = "x86_64"))]
-    return SMALL_BATCH;
-}
+/// Rows per call of [`lanes_rows`]' kernel: 5 rows × 2 vectors of 8
+/// tokens' accumulators, beside a column's activations, the mask and two
+/// widened weights, fit the 16 registers (with 6 × 2, one accumulator went
+/// to the stack, and the loop ran at half speed). (With 8 tokens, before
+/// [`few_tokens_rows`] took them, 10 × 1.)
+const LANE_ROWS: usize = 5;
 
 /// Columns `span` of `x (T, cols)` laid out for [`few_tokens_rows`]'
 /// kernels, which widen `width` BF16 weights per load into even and odd
@@ -819,7 +821,7 @@ impl Precision {
 struct Prepared<'a> {
     amx: Option<amx::Packed<'a>>,
     amx_few: Option<amx::FewPacked<'a>>,
-    /// `x` transposed for [`lanes_rows`]: `(cols, 8 · vectors)`.
+    /// `x` transposed for [`lanes_rows`]: `(cols, 16)`.
     lanes: Option<&'a [f32]>,
     bf16: Option<gemm_bf16::Acts<'a>>,
     /// Rounded for [`dot_rows`].
@@ -1173,7 +1175,7 @@ pub fn matmul_swiglu(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{TileKernel, MR, NR};
+    use super::{TileKernel, LANE_ROWS, MR, NR};
     use crate::formats::bf16;
     use crate::formats::float::avx2::{hsum, reduce8};
     use std::arch::x86_64::*;
@@ -1183,35 +1185,37 @@ mod avx2 {
     /// activation registers and the mask make 15 of 16 registers.
     pub const PASS: usize = 4;
 
-    /// Two BF16 rows against the `n ≤ PASS` tokens of `xs`, laid out by
-    /// [`super::split_for_few`] with width 16: `y[i][j] = w[i] · x[j]`. Per 16 columns, one load per row widened by a shift (even
+    /// Two BF16 rows against `n ≤ PASS` of the `tokens` tokens of `xs`
+    /// (from token `first` on), laid out by [`super::split_for_few`] with
+    /// width 16: `y[i][j] = w[i] · x[first + j]`. Per 16 columns, one load per row widened by a shift (even
     /// columns) and a mask (odd ones), each token's even and odd activations
     /// loaded once for both rows. Prefetches `ahead` as far as `w` reaches.
     ///
     /// # Safety
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows2_pass(w: [&[bf16]; 2], xs: &[f32], n: usize, ahead: [*const bf16; 2]) -> [[f32; PASS]; 2] {
+    pub unsafe fn rows2_pass(
+        w: [&[bf16]; 2],
+        xs: &[f32],
+        tokens: usize,
+        first: usize,
+        n: usize,
+        ahead: [*const bf16; 2],
+    ) -> [[f32; PASS]; 2] {
         let len = w[0].len();
-        assert!(w[1].len() == len && xs.len() == n * len && (1..=PASS).contains(&n));
+        assert!(w[1].len() == len && xs.len() == tokens * len && (1..=PASS).contains(&n) && first + n <= tokens);
         match n {
-            1 => rows2_n::<1>(w, xs, ahead),
-            2 => rows2_n::<2>(w, xs, ahead),
-            3 => rows2_n::<3>(w, xs, ahead),
-            4 => rows2_n::<4>(w, xs, ahead),
+            1 => rows2_n::<1>(w, xs, tokens, first, ahead),
+            2 => rows2_n::<2>(w, xs, tokens, first, ahead),
+            3 => rows2_n::<3>(w, xs, tokens, first, ahead),
+            4 => rows2_n::<4>(w, xs, tokens, first, ahead),
             _ => unreachable!("1..=4 tokens"),
         }
     }
 
-    /// Rows per call of [`lanes`] with 1 and with 2 token vectors: 10 × 1
-    /// or 5 × 2 accumulators, beside a column's activations, the mask and
-    /// two widened weights, fit the 16 registers (with 6 × 2, one accumulator
-    /// went to the stack, and the loop ran at half speed).
-    pub const LANE_ROWS: [usize; 2] = [10, 5];
-
-    /// `y[i · 8v + j] = w_i · x_j` for the `n` rows of `w` (each `cols` long,
-    /// `n ≤ LANE_ROWS[v - 1]`) and the `8v` tokens of `xt (cols, 8v)`. Per
-    /// column, `v` loads give every token's activation, and per row one
+    /// `y[i · 16 + j] = w_i · x_j` for the `n` rows of `w` (each `cols`
+    /// long, `n ≤ LANE_ROWS`) and the 16 tokens of `xt (cols, 16)`. Per
+    /// column, two loads give every token's activation, and per row one
     /// 32-bit broadcast from the weight's address less 2 bytes puts the
     /// weight in the high half of every lane, the previous one in the low
     /// half, which a mask clears; each accumulator adds its columns in order.
@@ -1224,22 +1228,10 @@ mod avx2 {
     /// # Safety
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn lanes(
-        v: usize,
-        w: &[bf16],
-        n: usize,
-        cols: usize,
-        xt: &[f32],
-        ahead: Option<*const bf16>,
-        y: &mut [f32],
-    ) {
-        assert!(w.len() == n * cols && cols >= 1 && xt.len() == cols * 8 * v && (1..=2).contains(&v));
-        assert!(n >= 1 && n <= LANE_ROWS[v - 1] && y.len() >= LANE_ROWS[v - 1] * 8 * v);
-        if v == 1 {
-            lanes_n::<1, { LANE_ROWS[0] }>(w, n, cols, xt, ahead, y)
-        } else {
-            lanes_n::<2, { LANE_ROWS[1] }>(w, n, cols, xt, ahead, y)
-        }
+    pub unsafe fn lanes(w: &[bf16], n: usize, cols: usize, xt: &[f32], ahead: Option<*const bf16>, y: &mut [f32]) {
+        assert!(w.len() == n * cols && cols >= 1 && xt.len() == cols * 16);
+        assert!((1..=LANE_ROWS).contains(&n) && y.len() >= LANE_ROWS * 16);
+        lanes_n::<2, LANE_ROWS>(w, n, cols, xt, ahead, y)
     }
 
     #[inline]
@@ -1294,13 +1286,19 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows2_n<const N: usize>(w: [&[bf16]; 2], xs: &[f32], ahead: [*const bf16; 2]) -> [[f32; PASS]; 2] {
+    unsafe fn rows2_n<const N: usize>(
+        w: [&[bf16]; 2],
+        xs: &[f32],
+        tokens: usize,
+        first: usize,
+        ahead: [*const bf16; 2],
+    ) -> [[f32; PASS]; 2] {
         let len = w[0].len();
         let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
         // c[j][i]: token j, row i.
         let mut c = [[_mm256_setzero_ps(); 2]; N];
         let mut k = 0;
-        let mut x = xs.as_ptr();
+        let mut x = xs.as_ptr().add(16 * first);
         while k + 16 <= len {
             if k % 32 == 0 {
                 // One cache line of each row every 32 columns.
@@ -1318,13 +1316,13 @@ mod avx2 {
                 cj[0] = _mm256_fmadd_ps(odd[0], xo, _mm256_fmadd_ps(even[0], xe, cj[0]));
                 cj[1] = _mm256_fmadd_ps(odd[1], xo, _mm256_fmadd_ps(even[1], xe, cj[1]));
             }
-            x = x.add(16 * N);
+            x = x.add(16 * tokens);
             k += 16;
         }
         // The ragged ends, token after token (each `rest` long, after the
         // whole groups of every token).
         let rest = len - k;
-        let tail = xs.as_ptr().add(k * N);
+        let tail = xs.as_ptr().add(k * tokens + first * rest);
         let sums: [f32; 8] = std::mem::transmute(reduce8(std::array::from_fn(|v| {
             let (i, j) = (v / PASS, v % PASS);
             if j < N {
@@ -1790,6 +1788,44 @@ mod tests {
                                 want[j * tall..j * tall + rows],
                                 "{isa:?} {precision:?} t={t} rows={rows}"
                             );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// On the AVX2 tiers 5–8 tokens are two passes over each pair of rows:
+    /// each token's sums are those it gets in a product of 4 (the same
+    /// kernel, one pass, the same column blocks), bit for bit, whatever
+    /// pass and place in it the token has.
+    #[test]
+    fn avx2_tokens_past_four_are_a_second_pass() {
+        for (rows, cols) in [(9, 33), (21, 896), (6, 1201)] {
+            let w: Vec<bf16> = synth(rows * cols, cols as u64).iter().map(|&v| bf16::from_f32(v)).collect();
+            let m = MatRef::new(Weights::Bf16(&w), rows, cols);
+            for t in 5..=8 {
+                let x = synth(t * cols, t as u64);
+                for isa in Isa::supported().into_iter().filter(|i| matches!(i.tier(), Tier::Avx2 | Tier::AvxVnni)) {
+                    for precision in Precision::ALL {
+                        assert!(on_few(isa, precision, &m, t) && few_block(t, cols, 16) == cols);
+                        let mut y = vec![f32::NAN; t * rows];
+                        matmul_with(isa, precision, m, &x, &mut y);
+                        // The first four tokens, then the rest, as products
+                        // of their own.
+                        for (first, n) in [(0, 4), (4, t - 4)] {
+                            let mut part = vec![f32::NAN; n * rows];
+                            matmul_with(isa, precision, m, &x[first * cols..(first + n) * cols], &mut part);
+                            for j in 0..n {
+                                let (got, want) = (&y[(first + j) * rows..][..rows], &part[j * rows..][..rows]);
+                                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                                assert_eq!(
+                                    bits(got),
+                                    bits(want),
+                                    "{isa:?} {precision:?} {rows}x{cols} t={t} j={}",
+                                    first + j
+                                );
+                            }
                         }
                     }
                 }
