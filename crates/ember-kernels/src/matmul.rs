@@ -254,8 +254,8 @@ fn few_tokens_rows(w: &[bf16], cols: usize, rows: std::ops::Range<usize>, few: &
         } else {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 and FMA are present (`FewActs` exists only on the
-            // x86 tiers); both segments hold `k1 - k0` values, `xs` `t ≤
-            // PASS` tokens split for `width`.
+            // x86 tiers); both segments hold `k1 - k0` values, `xs` `t`
+            // tokens split for `width`, taken `PASS` at a time.
             unsafe {
                 for first in (0..t).step_by(avx2::PASS) {
                     let n = (t - first).min(avx2::PASS);
@@ -700,18 +700,17 @@ fn transpose_for_lanes<'b>(x: &[f32], cols: usize, buf: &'b mut Vec<f32>) -> &'b
 /// counters here the difference between the two stays open.
 fn lanes_rows(w: &[crate::formats::bf16], cols: usize, rows: std::ops::Range<usize>, t: usize, xt: &[f32], out: &Out) {
     debug_assert!(LANES.contains(&t) && xt.len() == cols * 16);
-    let group = LANE_ROWS;
     let mut y = [0.0f32; LANE_ROWS * 16];
     let mut r = rows.start;
     while r < rows.end {
-        let n = (rows.end - r).min(group);
+        let n = (rows.end - r).min(LANE_ROWS);
         // The next group, to be read from memory while this one is
         // multiplied (when it is whole).
-        let ahead = (r + 2 * group <= rows.end).then(|| w[(r + group) * cols..].as_ptr());
+        let ahead = (r + 2 * LANE_ROWS <= rows.end).then(|| w[(r + LANE_ROWS) * cols..].as_ptr());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier has AVX2 and FMA (`on_lanes` checked it); rows
         // `r..r + n` hold `cols` values each, `xt` is `(cols, 16)`, `y` has
-        // room for `group × 16` floats.
+        // room for `LANE_ROWS × 16` floats.
         unsafe {
             avx2::lanes(&w[r * cols..(r + n) * cols], n, cols, xt, ahead, &mut y)
         };

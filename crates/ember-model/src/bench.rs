@@ -51,12 +51,7 @@ fn decode(model: &Qwen2, n: usize, phases: bool) -> Result<(Duration, Option<Pha
     for &t in &tokens {
         state.run(model, &[t], true)?;
     }
-    let elapsed = start.elapsed();
-    let times = state.phase_times().cloned();
-    // Off again, the pool's sections too, so the tests after this one read
-    // no clocks.
-    state.time_phases(false);
-    Ok((elapsed, times))
+    Ok((start.elapsed(), state.phase_times().cloned()))
 }
 
 /// Time for `sequences` sequences to decode `n` tokens each together, each
@@ -114,10 +109,7 @@ fn multi_sequence(
         }
         model.forward(&batch, &mut refs, &mut scratch)?;
     }
-    let elapsed = start.elapsed();
-    let times = scratch.phase_times().cloned();
-    scratch.time_phases(false);
-    Ok((elapsed, times))
+    Ok((start.elapsed(), scratch.phase_times().cloned()))
 }
 
 /// The weights a decoded token streams, one group per parallel section of

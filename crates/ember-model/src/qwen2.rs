@@ -692,12 +692,9 @@ impl Scratch {
     /// reads no clock.
     ///
     /// The pool's sections are timed too ([`pool::time_sections`]), for
-    /// the thread that runs the passes, until timing is turned off.
+    /// the thread that runs a timed pass, while it runs.
     pub fn time_phases(&mut self, on: bool) {
         self.phases = on.then(PhaseTimes::default);
-        if !on {
-            pool::time_sections(false);
-        }
     }
 
     /// The phases' times since [`Scratch::time_phases`] turned timing on.
@@ -808,11 +805,8 @@ impl<'a> Clock<'a> {
         let on = times.map(|t| {
             t.passes += 1;
             t.tokens += tokens;
-            let sections = pool::section_times().unwrap_or_else(|| {
-                pool::time_sections(true);
-                pool::SectionTimes::default()
-            });
-            (t, Instant::now(), sections)
+            pool::time_sections(true);
+            (t, Instant::now(), pool::SectionTimes::default())
         });
         Clock { on }
     }
@@ -827,6 +821,16 @@ impl<'a> Clock<'a> {
             times.inside[i] += s.inside.saturating_sub(sections.inside);
             times.waiting[i] += s.waiting.saturating_sub(sections.waiting);
             (*last, *sections) = (now, s);
+        }
+    }
+}
+
+impl Drop for Clock<'_> {
+    /// The pass's sections stop being timed with it, however it ends: a
+    /// thread times its sections only during timed passes.
+    fn drop(&mut self) {
+        if self.on.is_some() {
+            pool::time_sections(false);
         }
     }
 }
