@@ -93,9 +93,24 @@ impl Format for Int8 {
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
-            Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 => {
-                use super::int_avx2 as k;
-                Kernels { dot: k::dot_q8, rows4: k::rows4_q8, rows4_quads: None, dequantize: k::dequantize_q8 }
+            Tier::Avx2 | Tier::Avx512 => {
+                use super::int_avx2::q8::avx2 as k;
+                Kernels {
+                    dot: k::dot_q8,
+                    rows4: k::rows4_q8,
+                    rows4_quads: None,
+                    dequantize: super::int_avx2::dequantize_q8,
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Tier::AvxVnni => {
+                use super::int_avx2::q8::vnni as k;
+                Kernels {
+                    dot: k::dot_q8,
+                    rows4: k::rows4_q8,
+                    rows4_quads: None,
+                    dequantize: super::int_avx2::dequantize_q8,
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
