@@ -367,7 +367,10 @@ pub(super) unsafe fn scale_pairs<const R: usize>(w: &[&[BlockQ8]; R], i: usize, 
 /// (A conversion, a permute, an offset add and an FMA per register before:
 /// Emerald Rapids pinned to `avx2`, one thread, INT4 896 × 896 in L2,
 /// criterion, two runs each: 15.5, 15.4 → 18.5, 18.0 GiB/s; `avxvnni`
-/// 19.7, 19.1 → 20.3, 21.2.) The activations come as blocks (a
+/// 19.7, 19.1 → 20.3, 21.2. The whole groups then got a loop of their own,
+/// away from the padded one, and the activations are read where they are
+/// used: the rows' pointers and accumulators had gone to the stack; `avx2`
+/// 16.8, 17.6 → 20.5, 21.0.) The activations come as blocks (a
 /// quad built per step, [`crate::formats::quad_at`]) or laid out once per
 /// mat-vec: the same steps, so the same bits.
 ///
@@ -412,10 +415,6 @@ pub mod x4 {
                     );
                     let start = if B::OFFSET == 16 { _mm256_add_epi32(start, start) } else { start };
                     let (lo, hi) = (q.lo.as_ptr() as *const __m256i, q.hi.as_ptr() as *const __m256i);
-                    let xs = [
-                        (_mm256_load_si256(lo), _mm256_load_si256(hi)),
-                        (_mm256_load_si256(lo.add(1)), _mm256_load_si256(hi.add(1))),
-                    ];
                     for k in 0..R {
                         let g = w[k].as_ptr().add(m * B::BLOCKS);
                         prefetch_step(g as *const u8, B::BLOCKS * std::mem::size_of::<B>(), ahead);
@@ -437,7 +436,7 @@ pub mod x4 {
                                 $lo = _mm256_or_si256($lo, fifth_bits(low));
                                 $hi = _mm256_or_si256($hi, fifth_bits(high));
                             }
-                            let ($xlo, $xhi) = xs[r];
+                            let ($xlo, $xhi) = (_mm256_load_si256(lo.add(r)), _mm256_load_si256(hi.add(r)));
                             sums[r] = $dot;
                         }
                         let s = _mm256_add_epi32(_mm256_hadd_epi32(sums[0], sums[1]), start);
@@ -457,23 +456,25 @@ pub mod x4 {
                     groups: usize,
                     quad: impl Fn(usize) -> Q,
                 ) -> [f32; R] {
-                    let whole = w[0].len() / B::BLOCKS;
+                    let whole = (w[0].len() / B::BLOCKS).min(groups);
                     let mut acc = [_mm256_setzero_ps(); R];
-                    let mut pads: Option<[[B; 4]; R]> = None;
                     let ahead = crate::cpu::software_prefetch();
-                    for m in 0..groups {
-                        let (rows, at) = if m < whole {
-                            (*w, m)
-                        } else {
-                            let p = pads.insert(std::array::from_fn(|k| {
-                                let mut p = [B::ZERO; 4];
-                                let rest = &w[k][whole * B::BLOCKS..];
-                                p[..rest.len()].copy_from_slice(rest);
-                                p
-                            }));
-                            (std::array::from_fn(|k| &p[k][..]), 0)
-                        };
-                        step(&rows, at, quad(m).borrow(), &mut acc, ahead);
+                    // The whole groups in a loop of their own, so that the
+                    // rows' pointers stay in registers (with the padded group
+                    // chosen inside the loop, they went to the stack).
+                    for m in 0..whole {
+                        step(w, m, quad(m).borrow(), &mut acc, ahead);
+                    }
+                    if whole < groups {
+                        debug_assert_eq!(groups, whole + 1, "one padded group at most");
+                        let pads: [[B; 4]; R] = std::array::from_fn(|k| {
+                            let mut p = [B::ZERO; 4];
+                            let rest = &w[k][whole * B::BLOCKS..];
+                            p[..rest.len()].copy_from_slice(rest);
+                            p
+                        });
+                        let rows: [&[B]; R] = std::array::from_fn(|k| &pads[k][..]);
+                        step(&rows, 0, quad(whole).borrow(), &mut acc, ahead);
                     }
                     acc.map(|v| hsum(v))
                 }
