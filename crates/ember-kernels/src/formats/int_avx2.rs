@@ -1,7 +1,9 @@
 //! AVX2 integer kernels of the INT8, INT4, INT5, Q4_0 and Q5_0 rows: `maddubs` (u8 × i8 → i16
-//! pairs) then `madd` with ones (→ i32), one f32 FMA per block for the scales;
-//! and the int8 activation quantizer. Each requires AVX2, FMA and F16C; an
-//! `Isa` of the AVX2 tier or above is the proof.
+//! pairs) then `madd` with ones (→ i32), or AVX-VNNI's `vpdpbusd`; the i32
+//! sums of two INT8 blocks, or of four 32-weight sub-blocks, folded into one
+//! register for one f32 conversion and FMA with their scales (`q8`, `x4`);
+//! and the int8 activation quantizer. Each requires AVX2, FMA and F16C (and
+//! AVX-VNNI for the `vnni` kernels); an `Isa` of the matching tier is the proof.
 use super::act::QK_A8 as QK;
 use super::act::{BlockA8, BlockA8K, QK_A8K};
 use super::int4::{Group4, NibbleBlock, QK4};
