@@ -90,37 +90,24 @@ impl Format for Int8 {
     }
 
     fn kernels(tier: Tier) -> Kernels<Int8> {
+        #[cfg(target_arch = "x86_64")]
+        let k = |dot, rows4| Kernels { dot, rows4, rows4_quads: None, dequantize: super::int_avx2::dequantize_q8 };
         match tier {
             Tier::Scalar => reference_kernels(),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 | Tier::Avx512 => {
-                use super::int_avx2::q8::avx2 as k;
-                Kernels {
-                    dot: k::dot_q8,
-                    rows4: k::rows4_q8,
-                    rows4_quads: None,
-                    dequantize: super::int_avx2::dequantize_q8,
-                }
+                use super::int_avx2::q8::avx2 as m;
+                k(m::dot_q8, m::rows4_q8)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::AvxVnni => {
-                use super::int_avx2::q8::vnni as k;
-                Kernels {
-                    dot: k::dot_q8,
-                    rows4: k::rows4_q8,
-                    rows4_quads: None,
-                    dequantize: super::int_avx2::dequantize_q8,
-                }
+                use super::int_avx2::q8::vnni as m;
+                k(m::dot_q8, m::rows4_q8)
             }
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
-                use super::int_avx512::vnni8 as k;
-                Kernels {
-                    dot: k::dot_q8,
-                    rows4: k::rows4_q8,
-                    rows4_quads: None,
-                    dequantize: super::int_avx2::dequantize_q8,
-                }
+                use super::int_avx512::vnni8 as m;
+                k(m::dot_q8, m::rows4_q8)
             }
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 | Tier::AvxVnni | Tier::Avx512 | Tier::Avx512Vnni | Tier::Avx512Bf16 | Tier::Amx => {
